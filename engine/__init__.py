@@ -1,0 +1,1 @@
+"""Engine pods: continuous batching over a paged KV cache."""

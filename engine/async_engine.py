@@ -1,0 +1,131 @@
+"""An asyncio front on the engine: the step loop runs in its own thread; coroutines submit, stream and abort.
+
+Only the engine thread touches the engine's state. Coroutines hand it commands through a
+thread-safe inbox and get outputs back on their event loop with call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.sequence import Sequence
+
+log = logging.getLogger("kvfleet.engine")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; closing the iterator early (a client gone) aborts it and frees its blocks.
+
+        Raises RequestError for an invalid request and QueueFullError when the waiting queue is full.
+        """
+        if not self.is_alive:
+            raise EngineDeadError("the engine has stopped")
+        seq = self.engine.make_sequence(prompt, params, request_id, priority)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[seq.request_id] = stream
+        self._send("add", seq)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(seq.request_id, None)
+            if not finished:
+                self.abort(seq.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def _send(self, command: str, payload: object) -> None:
+        self._inbox.put((command, payload))
+        self._wakeup.set()
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a bug must not leave clients hanging
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(exc)
+                continue
+            self._deliver(outputs)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(payload, Sequence):
+                try:
+                    self.engine.add_sequence(payload)
+                except Exception as exc:  # noqa: BLE001 - handed to the request's caller
+                    self._push(payload.request_id, exc)
+            else:
+                self.engine.abort_request(str(payload))
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            self._push(request_id, EngineDeadError(f"the engine failed: {exc}"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._push(out.request_id, out)
+
+    def _push(self, request_id: str, item: object) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

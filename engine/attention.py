@@ -1,0 +1,115 @@
+"""The attention-backend interface and its plain-torch implementation over the paged KV cache.
+
+A backend owns the KV cache tensors (one preallocated pool of blocks per layer) and computes
+attention for a ragged batch: decode sequences (one new token each) come first in the batch,
+then prefill chunks, each attending to its cached context and causally within itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens sit: built once per step by the model runner, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot (block * block_size + offset) of each new token
+    num_decode_tokens: int  # the first num_decode_tokens tokens are single-token sequences
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] padded with block 0
+    decode_mask: torch.Tensor  # [num_decode, max_blocks * block_size] additive: 0 to attend, -inf beyond seq_len
+    prefill_query_lens: list[int]  # per prefill sequence: its new tokens
+    prefill_context_lens: list[int]  # per prefill sequence: tokens already in the cache before this chunk
+    prefill_block_tables: list[torch.Tensor]  # per prefill sequence: its blocks
+
+
+class TorchAttentionBackend:
+    """Paged attention with torch ops: blocks are gathered whole, so copies move 4 KiB rows, not single tokens."""
+
+    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.scale = head_dim**-0.5
+        self.kv_cache: torch.Tensor | None = None
+
+    def bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * element
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        # [layer, k/v, kv_head, block, slot-in-block * head_dim]: one block of one head is a contiguous row.
+        self.kv_cache = torch.zeros(
+            self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size * self.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k and v [T, KVH, D] for the step's new tokens; returns [T, H * D]."""
+        k_cache, v_cache = self.kv_cache[layer]
+        self._write(k_cache, k, meta.slot_mapping)
+        self._write(v_cache, v, meta.slot_mapping)
+        outputs = []
+        nd = meta.num_decode_tokens
+        if nd:
+            outputs.append(self._decode(q[:nd], k_cache, v_cache, meta))
+        start = nd
+        for q_len, ctx_len, table in zip(meta.prefill_query_lens, meta.prefill_context_lens,
+                                         meta.prefill_block_tables, strict=True):
+            end = start + q_len
+            outputs.append(self._prefill(q[start:end], k[start:end], v[start:end], ctx_len, table,
+                                         k_cache, v_cache))
+            start = end
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _write(self, cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        flat = cache.view(self.num_kv_heads, -1, self.head_dim)
+        flat.index_copy_(1, slot_mapping, new.transpose(0, 1))
+
+    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """[KVH, n_blocks * block_size, D] for the given blocks, in order."""
+        return cache.index_select(1, block_ids).view(self.num_kv_heads, -1, self.head_dim)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        batch = q.shape[0]
+        kvh, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        tables = meta.decode_block_tables
+        length = tables.shape[1] * self.block_size
+        keys = self._gather(k_cache, tables.flatten()).view(kvh * batch, length, d)
+        values = self._gather(v_cache, tables.flatten()).view(kvh * batch, length, d)
+        queries = q.view(batch, kvh, group, d).transpose(0, 1).reshape(kvh * batch, group, d)
+        scores = torch.bmm(queries, keys.transpose(1, 2)).view(kvh, batch, group, length)
+        scores = scores.mul_(self.scale).add_(meta.decode_mask[None, :, None, :])
+        probs = torch.softmax(scores, dim=-1).view(kvh * batch, group, length)
+        out = torch.bmm(probs, values).view(kvh, batch, group, d)
+        return out.transpose(0, 1).reshape(batch, self.num_heads, d)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
+                 table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        q_len = q.shape[0]
+        queries = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if ctx_len == 0:
+            keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
+        else:
+            total = ctx_len + q_len
+            keys = self._gather(k_cache, table)[:, :total]
+            values = self._gather(v_cache, table)[:, :total]
+            positions = torch.arange(total, device=q.device)
+            mask = positions[None, :] <= (positions[ctx_len:, None])
+            causal = False
+        out = F.scaled_dot_product_attention(
+            queries, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,
+            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out.squeeze(0).transpose(0, 1)  # [q_len, H, D]

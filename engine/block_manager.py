@@ -1,0 +1,132 @@
+"""Paged KV cache bookkeeping: a pool of fixed-size blocks, reference counts and prefix caching.
+
+After vLLM v1's block pool: a full block is named by a hash chain over its tokens and every
+token before it, so two requests with the same prefix share those blocks. A block whose last
+owner finished goes back to the free queue but keeps its hash, so it can still be hit until
+it is handed out again; the free queue hands out least recently freed blocks first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvfleet.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+class BlockManager:
+    """Owns which sequence holds which KV block; never touches the tensors themselves."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running sequences (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids that already hold the longest cached prefix of seq (at least one token is left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(seq, max_blocks)
+        found: list[int] = []
+        for block_hash in hashes[:max_blocks]:
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_prompt_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] | None = None) -> bool:
+        """Give seq blocks for num_new_tokens more tokens, after an optional cached prefix; False if they don't fit."""
+        cached_prefix = cached_prefix or []
+        num_tokens = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached_prefix)
+        reclaimed = sum(1 for block_id in cached_prefix if self.blocks[block_id].ref_count == 0)
+        if num_new_blocks > self.num_free_blocks - reclaimed:
+            return False
+        for block_id in cached_prefix:
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        for _ in range(max(num_new_blocks, 0)):
+            seq.block_table.append(self._take_fresh())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks; freed tail blocks are evicted before freed head blocks."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        seq.block_table = []
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Name the blocks that seq has filled and computed, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        hashes = self._block_hashes(seq, num_full)
+        for index in range(num_full):
+            block = self.blocks[seq.block_table[index]]
+            if block.block_hash is None and hashes[index] not in self.cached_blocks:
+                block.block_hash = hashes[index]
+                self.cached_blocks[hashes[index]] = block.block_id
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _take_fresh(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) == block_id:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The hash chain over seq's first num_blocks full blocks, extending seq.block_hashes as needed."""
+        hashes = seq.block_hashes
+        size = self.block_size
+        while len(hashes) < num_blocks:
+            index = len(hashes)
+            parent = hashes[-1] if hashes else 0
+            hashes.append(hash((parent, *seq.token_ids_slice(index * size, (index + 1) * size))))
+        return hashes

@@ -1,0 +1,253 @@
+"""The synchronous engine: requests in, one scheduled ragged batch per step, outputs back."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet.engine.block_manager import BlockManager
+from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.kv_capacity import KVCapacity, plan_kv_cache
+from kvfleet.engine.model_config import ModelConfig
+from kvfleet.engine.model_files import resolve_model
+from kvfleet.engine.model_loader import load_model, pick_device, pick_dtype
+from kvfleet.engine.model_runner import ModelRunner
+from kvfleet.engine.output_processor import RequestState
+from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.sampler import Sampler
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.scheduler import Scheduler
+from kvfleet.engine.sequence import Sequence
+from kvfleet.engine.tokenizer import Tokenizer
+
+log = logging.getLogger("kvfleet.engine")
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1024**3
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take as given; the message says what to change."""
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.model_dir = resolve_model(config.model)
+        self.model_name = config.model
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.model, self.backend = load_model(
+            self.model_dir, self.model_config, config.block_size, self.max_model_len, self.dtype, self.device,
+            show_progress,
+        )
+        self.capacity = self._plan_kv_cache()
+        self.backend.allocate_kv_cache(self.capacity.num_blocks)
+        log.info("%s", self.capacity.describe())
+        self.block_manager = BlockManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_waiting,
+            config.static_batching,
+        )
+        self.runner = ModelRunner(self.model, self.backend, self.device)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, RequestState] = {}
+        self._finished_outputs: list[RequestOutput] = []
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def _plan_kv_cache(self) -> KVCapacity:
+        per_block = self.backend.bytes_per_block()
+        if self.config.kv_cache_memory is not None or self.device.type != "cuda":
+            memory = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+            return plan_kv_cache(memory, per_block, self.config.block_size, self.max_model_len)
+        return plan_kv_cache(self._profile_cuda_free_memory(), per_block, self.config.block_size,
+                             self.max_model_len, memory_flag="--gpu-memory-utilization")
+
+    def _profile_cuda_free_memory(self) -> int:
+        """Run the largest batch once without a cache to learn peak activation memory, as vLLM does."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        with torch.inference_mode():
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            hidden = self.model.embed_tokens(ids)
+            for layer in self.model.layers:  # attention-free pass bounds the MLP/projection activations
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return max(int(total * self.config.gpu_memory_utilization) - peak, 0)
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                      priority: int = 0) -> Sequence:
+        """Check a request and turn it into a Sequence; RequestError says what to change. Touches no engine state."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("the prompt is empty; send at least one token")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"token ids must be integers in [0, {vocab}); got {bad[0]!r}")
+        if not token_ids:
+            raise RequestError("the prompt is empty; send at least one token")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(token_ids)} in the prompt, {params.max_tokens} in the completion). "
+                "Please reduce the prompt or max_tokens."
+            )
+        return Sequence(request_id or uuid.uuid4().hex, token_ids, params, priority=priority)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise RequestError(f"request id {seq.request_id!r} is already in flight; use a unique id")
+        self.scheduler.add(seq)
+        self.requests[seq.request_id] = RequestState(seq, self.tokenizer, self.max_model_len)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        self.add_sequence(self.make_sequence(prompt, params, request_id, priority))
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        state.finish("abort")
+        self._finish(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._finished_outputs)
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule one batch, run it, sample, and return every request's new output."""
+        outputs, self._finished_outputs = self._finished_outputs, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return outputs
+        now = time.monotonic()
+        for seq, _ in plan.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        sample_seqs, logits = self._run_isolating_failures(plan.scheduled)
+        if sample_seqs:
+            self._sample(sample_seqs, logits)
+        for seq in sample_seqs:
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue
+            if state.finished:
+                self._finish(state)
+            else:
+                outputs.append(state.make_output())
+        outputs.extend(self._finished_outputs)
+        self._finished_outputs = []
+        return outputs
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        result = self.sampler(logits, seqs)
+        for i, seq in enumerate(seqs):
+            state = self.requests[seq.request_id]
+            if i in result.errors:
+                state.finish("error", error=result.errors[i])
+                continue
+            if not seq.output_token_ids:
+                self.prompt_tokens += seq.num_prompt_tokens
+            state.append_token(result.token_ids[i], result.logprobs[i])
+            self.generation_tokens += 1
+
+    def _run_isolating_failures(self, scheduled: list[tuple[Sequence, int]]
+                                ) -> tuple[list[Sequence], torch.Tensor]:
+        """Run the batch; if it raises, run each sequence alone so one bad request fails by itself."""
+        try:
+            sample_seqs, logits = self.runner.execute(scheduled)
+            done = scheduled
+        except Exception:  # noqa: BLE001 - isolate below
+            if len(scheduled) == 1:
+                log.exception("a step failed for request %s", scheduled[0][0].request_id)
+                self._fail(scheduled[0][0], "the engine failed while computing this request")
+                return [], torch.empty(0)
+            sample_seqs, rows, done = [], [], []
+            for item in scheduled:
+                try:
+                    seqs, one = self.runner.execute([item])
+                except Exception:  # noqa: BLE001 - fail only this request
+                    log.exception("request %s failed inside a step", item[0].request_id)
+                    self._fail(item[0], "the engine failed while computing this request")
+                    continue
+                done.append(item)
+                sample_seqs += seqs
+                rows.append(one)
+            logits = torch.cat(rows) if rows else torch.empty(0)
+        for seq, n in done:
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        return sample_seqs, logits
+
+    def _fail(self, seq: Sequence, reason: str) -> None:
+        state = self.requests.get(seq.request_id)
+        if state is not None:
+            state.finish("error", error=reason)
+            self._finish(state)
+
+    def _finish(self, state: RequestState) -> None:
+        self.scheduler.remove(state.seq)
+        del self.requests[state.seq.request_id]
+        self._finished_outputs.append(state.make_output())
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=bm.usage, kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens, prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+        )
+
+    # --- offline use --------------------------------------------------------------------------
+
+    def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams]
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (vLLM's LLM.generate); returns the final output of each, in order."""
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(request_id, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,67 @@
+"""Builds the model and its attention backend on a device and loads the weights from safetensors."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from kvfleet.engine.attention import TorchAttentionBackend
+from kvfleet.engine.model_config import ModelConfig
+from kvfleet.engine.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no CUDA GPU; use --device cpu")
+    return device
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU (fast GEMMs there), bfloat16 on GPUs that have it, else float16."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def iter_safetensors(model_dir: Path, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    names = []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.extend((file, key) for key in f.keys())  # noqa: SIM118 (safe_open has no __iter__)
+    progress = tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not show_progress,
+                    leave=False)
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                yield key, f.get_tensor(key)
+                progress.update()
+    progress.close()
+
+
+def load_model(model_dir: Path, config: ModelConfig, block_size: int, max_positions: int,
+               dtype: torch.dtype, device: torch.device, show_progress: bool = True
+               ) -> tuple[LlamaForCausalLM, TorchAttentionBackend]:
+    backend = TorchAttentionBackend(
+        config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+        block_size, dtype, device,
+    )
+    with torch.device(device):
+        model = LlamaForCausalLM(config, backend, max_positions).to(dtype)
+    model.load_weights(iter_safetensors(model_dir, show_progress))
+    model.eval().requires_grad_(False)
+    return model, backend

@@ -1,0 +1,84 @@
+"""Turns a scheduled batch into flat tensors, runs the model, and returns logits for the sequences to sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet.engine.attention import AttentionMetadata, TorchAttentionBackend
+from kvfleet.engine.models.llama import LlamaForCausalLM
+from kvfleet.engine.sequence import Sequence
+
+
+@dataclass
+class BatchInputs:
+    sequences: list[tuple[Sequence, int]]  # in batch order: decode tokens first, then prefill chunks
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # last token of each sequence whose tokens are all computed after this step
+    sample_sequences: list[Sequence]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, backend: TorchAttentionBackend, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_size = backend.block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        """One forward pass; returns the sequences that get a new token and their float32 logits."""
+        batch = self.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return batch.sample_sequences, logits
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> BatchInputs:
+        decodes = [(seq, n) for seq, n in scheduled if n == 1]
+        prefills = [(seq, n) for seq, n in scheduled if n != 1]
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        sample_sequences: list[Sequence] = []
+        bs = self.block_size
+        for seq, n in ordered:
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids_slice(start, start + n))
+            table = seq.block_table
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            if start + n == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+                sample_sequences.append(seq)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=self._decode_tables(decodes),
+            decode_mask=self._decode_mask(decodes),
+            prefill_query_lens=[n for _, n in prefills],
+            prefill_context_lens=[seq.num_computed_tokens for seq, _ in prefills],
+            prefill_block_tables=[self._tensor(seq.block_table) for seq, _ in prefills],
+        )
+        return BatchInputs(ordered, self._tensor(input_ids), self._tensor(positions), meta,
+                           self._tensor(logits_indices), sample_sequences)
+
+    def _decode_tables(self, decodes: list[tuple[Sequence, int]]) -> torch.Tensor:
+        width = max((len(seq.block_table) for seq, _ in decodes), default=0)
+        rows = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in decodes]
+        return self._tensor(rows) if rows else torch.empty(0, 0, dtype=torch.long, device=self.device)
+
+    def _decode_mask(self, decodes: list[tuple[Sequence, int]]) -> torch.Tensor:
+        width = max((len(seq.block_table) for seq, _ in decodes), default=0) * self.block_size
+        seq_lens = self._tensor([seq.num_computed_tokens + 1 for seq, _ in decodes])
+        beyond = torch.arange(width, device=self.device)[None, :] >= seq_lens[:, None]
+        mask = torch.zeros(beyond.shape, dtype=self.backend.dtype, device=self.device)
+        return mask.masked_fill_(beyond, float("-inf"))
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

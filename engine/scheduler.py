@@ -1,0 +1,135 @@
+"""Iteration-level scheduling (Orca, vLLM): every step re-forms one ragged batch.
+
+One rule drives it, as in vLLM v1: each sequence's computed tokens catch up with its tokens
+within a per-step token budget. Running sequences go first (decode tokens and the rest of
+chunked prefills), then waiting ones are admitted by priority. When KV blocks run out the
+lowest-priority, latest-arrived running sequence is preempted and later recomputed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from kvfleet.engine.block_manager import BlockManager
+from kvfleet.engine.sequence import Sequence, SequenceStatus
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at max_num_waiting; the caller should retry later."""
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_num_waiting: int,
+        static_batching: bool = False,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_waiting = max_num_waiting
+        self.static_batching = static_batching
+        self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by (priority, arrival)
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return [seq for _, seq in sorted(self._waiting, key=lambda item: item[0])]
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if len(self._waiting) >= self.max_num_waiting:
+            raise QueueFullError(
+                f"the engine's waiting queue is full ({self.max_num_waiting} requests); retry later"
+            )
+        self._push_waiting(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks (finished or aborted)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self._waiting = [item for item in self._waiting if item[1] is not seq]
+            heapq.heapify(self._waiting)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=Sequence.sort_key)
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_new_tokens, budget)
+            while not self.block_manager.allocate(seq, num_new):
+                victim = self.running.pop()  # lowest priority, latest arrival
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                index += 1
+        if not out.preempted and self._may_admit():
+            self._admit_waiting(out, budget)
+        return out
+
+    def _may_admit(self) -> bool:
+        return not (self.static_batching and self.running)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self._waiting[0][1]
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_cached_tokens = len(cached) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - num_cached_tokens, budget)
+            if not self.block_manager.allocate(seq, num_new, cached):
+                break
+            heapq.heappop(self._waiting)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached_tokens
+                self.block_manager.record_prefix_lookup(seq.num_prompt_tokens, num_cached_tokens)
+            seq.num_computed_tokens = num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop its KV now, keep its tokens, put it back in line by priority."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(seq)
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (seq.sort_key(), seq))

@@ -1,0 +1,1 @@
+"""The gateway: KV-aware routing, fleet-wide priority queues, load shedding (issue 4)."""

@@ -1,0 +1,76 @@
+"""The `kvfleet` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import uuid
+
+from kvfleet import __version__
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from kvfleet.engine.cli_args import engine_config_from_args
+    from kvfleet.engine.llm_engine import LLMEngine
+    from kvfleet.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config_from_args(args))
+    if args.command == "chat":
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": args.text}])
+    else:
+        prompt = args.text
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.sample_seed)
+    request_id = uuid.uuid4().hex
+    engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.text_delta)
+            sys.stdout.flush()
+            if out.finished and out.finish_reason == "error":
+                print(f"\nerror: {out.error}", file=sys.stderr)
+                return 1
+    sys.stdout.write("\n")
+    return 0
+
+
+def _add_generation_command(sub: argparse._SubParsersAction, name: str, help_text: str) -> None:
+    from kvfleet.engine.cli_args import add_engine_args
+
+    p = sub.add_parser(name, help=help_text)
+    p.add_argument("text", help="the user message" if name == "chat" else "the prompt")
+    if name == "chat":
+        p.add_argument("--system", default=None, help="a system message (default: the model's own)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sample-seed", type=int, default=None)
+    add_engine_args(p)
+    p.set_defaults(func=_chat)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfleet", description="LLM serving with batching at two levels")
+    parser.add_argument("--version", action="version", version=f"kvfleet {__version__}")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generation_command(sub, "chat", "answer one chat message with the engine (streams to stdout)")
+    _add_generation_command(sub, "generate", "complete one plain prompt with the engine")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # user-fixable configuration errors: say what to change, no traceback
+        print(f"kvfleet: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The operator: InferenceFleet reconciler and KV-utilization autoscaler (issue 5)."""
