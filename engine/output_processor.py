@@ -65,6 +65,8 @@ class RequestState:
             self.finish("length")
 
     def finish(self, reason: str, stop_reason: str | int | None = None, error: str | None = None) -> None:
+        if not isinstance(stop_reason, str):  # a stop string already cut the text; else emit held-back bytes
+            self.text += self.detokenizer.flush()
         self.seq.finish_reason = reason
         self.seq.error = error
         self.stop_reason = stop_reason
