@@ -8,6 +8,13 @@ from kvfleet.engine.config import DTYPES, EngineConfig, parse_size
 from kvfleet.engine.model_files import DEFAULT_MODEL
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
@@ -17,7 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-num-waiting", type=int, default=1024, help="longest waiting queue before rejecting")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+    g.add_argument("--kv-cache-memory", type=_size, default=None,
                    help="KV cache size, bytes or e.g. 512MiB, 2GiB (CPU default 1GiB)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")

@@ -21,3 +21,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
     from tests.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+def make_engine(model_dir: Path, **overrides: object):
+    """An engine on a local model with small, test-friendly defaults."""
+    from kvfleet.engine.config import EngineConfig
+    from kvfleet.engine.llm_engine import LLMEngine
+
+    settings: dict = dict(model=str(model_dir), max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=16)
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings), show_progress=False)
+
+
+@pytest.fixture
+def tiny_engine(tiny_model_dir: Path):
+    return make_engine(tiny_model_dir)
