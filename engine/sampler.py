@@ -51,6 +51,7 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
+        """Pick one next token per row of logits [num_rows, vocab]; rows with NaN or inf fail alone."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {list(logits.shape)}")
         logits = logits.float()  # the caller's tensor when already float32: never written to
