@@ -83,17 +83,15 @@ class TorchAttentionBackend:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         batch = q.shape[0]
-        kvh, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        tables = meta.decode_block_tables
-        length = tables.shape[1] * self.block_size
-        keys = self._gather(k_cache, tables.flatten()).view(kvh * batch, length, d)
-        values = self._gather(v_cache, tables.flatten()).view(kvh * batch, length, d)
-        queries = q.view(batch, kvh, group, d).transpose(0, 1).reshape(kvh * batch, group, d)
-        scores = torch.bmm(queries, keys.transpose(1, 2)).view(kvh, batch, group, length)
-        scores = scores.mul_(self.scale).add_(meta.decode_mask[None, :, None, :])
-        probs = torch.softmax(scores, dim=-1).view(kvh * batch, group, length)
-        out = torch.bmm(probs, values).view(kvh, batch, group, d)
-        return out.transpose(0, 1).reshape(batch, self.num_heads, d)
+        tables = meta.decode_block_tables.flatten()
+        length = meta.decode_block_tables.shape[1] * self.block_size
+        keys = self._gather(k_cache, tables).view(self.num_kv_heads, batch, length, self.head_dim).transpose(0, 1)
+        values = self._gather(v_cache, tables).view(self.num_kv_heads, batch, length, self.head_dim).transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask[:, None, None, :], scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out.squeeze(2)  # [batch, H, D]
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
                  table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,14 @@ it is handed out again; the free queue hands out least recently freed blocks fir
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvfleet.engine.sequence import Sequence
+
+# A random root per process: a prompt cannot be crafted offline to collide with another's block hash.
+_HASH_ROOT = int.from_bytes(os.urandom(8), "little")
 
 
 @dataclass
@@ -127,6 +131,6 @@ class BlockManager:
         size = self.block_size
         while len(hashes) < num_blocks:
             index = len(hashes)
-            parent = hashes[-1] if hashes else 0
+            parent = hashes[-1] if hashes else _HASH_ROOT
             hashes.append(hash((parent, *seq.token_ids_slice(index * size, (index + 1) * size))))
         return hashes
