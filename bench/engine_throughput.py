@@ -1,0 +1,155 @@
+"""Throughput of continuous batching vs static batching vs HF transformers, side by side in one run.
+
+    python -m bench.engine_throughput --num-requests 64 --out bench/results
+
+The Anyscale-style workload (bench/workload.py): N requests submitted at once, prompts of 16-256 tokens,
+outputs exponential (mean 64, cap 256), EOS ignored; SmolLM2-135M-Instruct, fp32, 2 threads.
+Reports useful tokens/s (each request's own output tokens), ratios, model FLOP utilization against this
+machine's fp32 GEMM peak measured in the same run, peak KV utilization, and concurrency against
+reserving max_model_len per sequence. Writes JSON and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from bench.workload import BenchRequest, RunResult, anyscale_workload
+from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.model_config import ModelConfig
+from kvfleet.engine.model_files import resolve_model
+from kvfleet.engine.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 2048
+PREALLOCATED_SEQS = 8  # the KV budget: what reserving max_model_len per sequence would hold this many of
+
+
+def gemm_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """Best fp32 GEMM rate of this machine right now, in GFLOP/s."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def useful_flops(config: ModelConfig, requests: list[BenchRequest]) -> float:
+    """Prefill + decode FLOPs of the useful tokens: matmuls, attention over the context, LM head per output token."""
+    matmul = 2 * config.num_params(include_embedding=False)
+    attention_per_ctx = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    lm_head = 2 * config.hidden_size * config.vocab_size
+    total = 0.0
+    for r in requests:
+        prompt = len(r.prompt_token_ids)
+        tokens = prompt + r.output_len - 1  # the last output token is sampled, never fed back
+        total += tokens * matmul + attention_per_ctx * tokens * (tokens + 1) / 2 + r.output_len * lm_head
+    return total
+
+
+def run_kvfleet(requests: list[BenchRequest], static: bool, kv_tokens: int) -> RunResult:
+    model_config = ModelConfig.from_dir(resolve_model("smollm2-135m-instruct"))
+    per_token = model_config.kv_bytes_per_token * 4
+    engine = LLMEngine(EngineConfig(
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=256, max_num_batched_tokens=2048, static_batching=static,
+        kv_cache_memory=kv_tokens * per_token, max_num_waiting=len(requests) + 1,
+    ), show_progress=False)
+    engine.generate([[100] * 32], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    for i, r in enumerate(requests):
+        engine.add_request(str(i), r.prompt_token_ids,
+                           SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True))
+    bm = engine.block_manager
+    peak_blocks, live_at_peak, peak_running, steps = 0, 0, 0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        running = engine.scheduler.running
+        used = bm.num_blocks - bm.num_free_blocks
+        peak_running = max(peak_running, len(running))
+        if used > peak_blocks:
+            peak_blocks, live_at_peak = used, sum(s.num_computed_tokens for s in running)
+    seconds = time.perf_counter() - start
+    name = "kvfleet static batching" if static else "kvfleet continuous batching"
+    return RunResult(name, seconds, sum(r.output_len for r in requests), {
+        "steps": steps, "kv_blocks": bm.num_blocks, "peak_blocks_used": peak_blocks,
+        "peak_kv_utilization": live_at_peak / (peak_blocks * bm.block_size) if peak_blocks else 0.0,
+        "peak_running": peak_running, "preemptions": engine.scheduler.num_preemptions,
+    })
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--skip", nargs="*", default=[], choices=["static", "hf-static", "hf-continuous"])
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    requests = anyscale_workload(args.num_requests)
+    model_dir = resolve_model("smollm2-135m-instruct")
+    config = ModelConfig.from_dir(model_dir)
+    kv_tokens = PREALLOCATED_SEQS * MAX_MODEL_LEN
+
+    peak_before = gemm_peak_gflops()
+    results = [run_kvfleet(requests, static=False, kv_tokens=kv_tokens)]
+    if "static" not in args.skip:
+        results.append(run_kvfleet(requests, static=True, kv_tokens=kv_tokens))
+    if "hf-static" not in args.skip or "hf-continuous" not in args.skip:
+        from bench.hf_baselines import run_hf_continuous, run_hf_static
+
+        if "hf-static" not in args.skip:
+            results.append(run_hf_static(model_dir, requests, batch_size=8))
+        if "hf-continuous" not in args.skip:
+            results.append(run_hf_continuous(model_dir, requests))
+    peak = max(peak_before, gemm_peak_gflops())
+
+    flops = useful_flops(config, requests)
+    ours = results[0]
+    report = {
+        "workload": {"num_requests": len(requests), "useful_tokens": ours.useful_tokens,
+                     "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+                     "useful_gflop": flops / 1e9},
+        "gemm_peak_gflops": peak,
+        "kv_budget_tokens": kv_tokens,
+        "preallocated_concurrency": PREALLOCATED_SEQS,
+        "systems": [{**asdict(r), "tokens_per_s": r.tokens_per_s,
+                     "mfu": flops / r.seconds / (peak * 1e9),
+                     "ratio_of_kvfleet_to_this": ours.tokens_per_s / r.tokens_per_s} for r in results],
+    }
+    report["concurrency_ratio"] = ours.extra["peak_running"] / PREALLOCATED_SEQS
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "engine_throughput.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    _chart(results, args.out / "engine_throughput.png")
+
+
+def _chart(results: list[RunResult], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'); no chart written")
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r.name for r in results]
+    values = [r.tokens_per_s for r in results]
+    bars = ax.barh(names[::-1], values[::-1], color=["#999"] * (len(values) - 1) + ["#2a7"])
+    ax.bar_label(bars, fmt="%.1f tok/s")
+    ax.set_xlabel("useful output tokens per second (higher is better)")
+    ax.set_title(f"SmolLM2-135M fp32, 2 CPU threads, {len(values) and results[0].useful_tokens} useful tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
