@@ -14,13 +14,22 @@ import torch.nn.functional as F
 
 
 @dataclass
+class DecodeGroup:
+    """Decode sequences [start, end) of the batch, attended together; padded only to the group's longest."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [n, max_blocks] padded with block 0
+    mask: torch.Tensor  # [n, max_blocks * block_size] additive: 0 to attend, -inf beyond each seq_len
+
+
+@dataclass
 class AttentionMetadata:
     """Where a step's tokens sit: built once per step by the model runner, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot (block * block_size + offset) of each new token
-    num_decode_tokens: int  # the first num_decode_tokens tokens are single-token sequences
-    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] padded with block 0
-    decode_mask: torch.Tensor  # [num_decode, max_blocks * block_size] additive: 0 to attend, -inf beyond seq_len
+    num_decode_tokens: int  # the first num_decode_tokens tokens are single-token sequences, sorted by length
+    decode_groups: list[DecodeGroup]  # consecutive runs of decode sequences of similar length
     prefill_query_lens: list[int]  # per prefill sequence: its new tokens
     prefill_context_lens: list[int]  # per prefill sequence: tokens already in the cache before this chunk
     prefill_block_tables: list[torch.Tensor]  # per prefill sequence: its blocks
@@ -59,10 +68,9 @@ class TorchAttentionBackend:
         self._write(k_cache, k, meta.slot_mapping)
         self._write(v_cache, v, meta.slot_mapping)
         outputs = []
-        nd = meta.num_decode_tokens
-        if nd:
-            outputs.append(self._decode(q[:nd], k_cache, v_cache, meta))
-        start = nd
+        for group in meta.decode_groups:
+            outputs.append(self._decode(q[group.start:group.end], k_cache, v_cache, group))
+        start = meta.num_decode_tokens
         for q_len, ctx_len, table in zip(meta.prefill_query_lens, meta.prefill_context_lens,
                                          meta.prefill_block_tables, strict=True):
             end = start + q_len
@@ -81,14 +89,14 @@ class TorchAttentionBackend:
         return cache.index_select(1, block_ids).view(self.num_kv_heads, -1, self.head_dim)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                group: DecodeGroup) -> torch.Tensor:
         batch = q.shape[0]
-        tables = meta.decode_block_tables.flatten()
-        length = meta.decode_block_tables.shape[1] * self.block_size
+        tables = group.block_tables.flatten()
+        length = group.block_tables.shape[1] * self.block_size
         keys = self._gather(k_cache, tables).view(self.num_kv_heads, batch, length, self.head_dim).transpose(0, 1)
         values = self._gather(v_cache, tables).view(self.num_kv_heads, batch, length, self.head_dim).transpose(0, 1)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask[:, None, None, :], scale=self.scale,
+            q.unsqueeze(2), keys, values, attn_mask=group.mask[:, None, None, :], scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return out.squeeze(2)  # [batch, H, D]

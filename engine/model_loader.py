@@ -8,11 +8,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from kvfleet.engine.attention import TorchAttentionBackend
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.models.llama import LlamaForCausalLM
+from kvfleet.engine.packed_linear import can_pack, pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -64,4 +66,9 @@ def load_model(model_dir: Path, config: ModelConfig, block_size: int, max_positi
         model = LlamaForCausalLM(config, backend, max_positions).to(dtype)
     model.load_weights(iter_safetensors(model_dir, show_progress))
     model.eval().requires_grad_(False)
+    if can_pack(device, dtype):
+        if model.lm_head is None:
+            model.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+            model.lm_head.weight = model.embed_tokens.weight
+        log.info("CPU GEMMs: %d linear layers prepacked for oneDNN", pack_linears(model))
     return model, backend

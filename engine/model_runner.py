@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfleet.engine.attention import AttentionMetadata, TorchAttentionBackend
+from kvfleet.engine.attention import AttentionMetadata, DecodeGroup, TorchAttentionBackend
 from kvfleet.engine.models.llama import LlamaForCausalLM
 from kvfleet.engine.sequence import Sequence
 
@@ -22,11 +22,15 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, backend: TorchAttentionBackend, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, backend: TorchAttentionBackend, device: torch.device,
+                 group_blocks: int = 256) -> None:
         self.model = model
         self.backend = backend
         self.block_size = backend.block_size
         self.device = device
+        # Blocks one decode attention group may gather (x kv heads x 2): big enough to amortize the calls,
+        # small enough that the gathered K/V is still in cache when attention reads it.
+        self.group_blocks = group_blocks
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
@@ -37,7 +41,8 @@ class ModelRunner:
         return batch.sample_sequences, logits
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> BatchInputs:
-        decodes = [(seq, n) for seq, n in scheduled if n == 1]
+        # Decode sequences sorted by length, so that each attention group pads only to similar lengths.
+        decodes = sorted(((seq, n) for seq, n in scheduled if n == 1), key=lambda item: len(item[0].block_table))
         prefills = [(seq, n) for seq, n in scheduled if n != 1]
         ordered = decodes + prefills
         input_ids: list[int] = []
@@ -59,8 +64,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decodes),
-            decode_block_tables=self._decode_tables(decodes),
-            decode_mask=self._decode_mask(decodes),
+            decode_groups=self._decode_groups(decodes),
             prefill_query_lens=[n for _, n in prefills],
             prefill_context_lens=[seq.num_computed_tokens for seq, _ in prefills],
             prefill_block_tables=[self._tensor(seq.block_table) for seq, _ in prefills],
@@ -68,17 +72,26 @@ class ModelRunner:
         return BatchInputs(ordered, self._tensor(input_ids), self._tensor(positions), meta,
                            self._tensor(logits_indices), sample_sequences)
 
-    def _decode_tables(self, decodes: list[tuple[Sequence, int]]) -> torch.Tensor:
-        width = max((len(seq.block_table) for seq, _ in decodes), default=0)
-        rows = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in decodes]
-        return self._tensor(rows) if rows else torch.empty(0, 0, dtype=torch.long, device=self.device)
+    def _decode_groups(self, decodes: list[tuple[Sequence, int]]) -> list[DecodeGroup]:
+        """Cut the length-sorted decode sequences into groups whose padded K/V stays cache-sized."""
+        groups: list[DecodeGroup] = []
+        start = 0
+        while start < len(decodes):
+            end = start + 1
+            while end < len(decodes) and (end + 1 - start) * len(decodes[end][0].block_table) <= self.group_blocks:
+                end += 1
+            groups.append(self._decode_group(decodes, start, end))
+            start = end
+        return groups
 
-    def _decode_mask(self, decodes: list[tuple[Sequence, int]]) -> torch.Tensor:
-        width = max((len(seq.block_table) for seq, _ in decodes), default=0) * self.block_size
-        seq_lens = self._tensor([seq.num_computed_tokens + 1 for seq, _ in decodes])
-        beyond = torch.arange(width, device=self.device)[None, :] >= seq_lens[:, None]
+    def _decode_group(self, decodes: list[tuple[Sequence, int]], start: int, end: int) -> DecodeGroup:
+        members = [seq for seq, _ in decodes[start:end]]
+        width = max(len(seq.block_table) for seq in members)
+        tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in members])
+        seq_lens = self._tensor([seq.num_computed_tokens + 1 for seq in members])
+        beyond = torch.arange(width * self.block_size, device=self.device)[None, :] >= seq_lens[:, None]
         mask = torch.zeros(beyond.shape, dtype=self.backend.dtype, device=self.device)
-        return mask.masked_fill_(beyond, float("-inf"))
+        return DecodeGroup(start, end, tables, mask.masked_fill_(beyond, float("-inf")))
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
