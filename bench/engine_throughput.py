@@ -24,6 +24,7 @@ from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.model_files import resolve_model
+from kvfleet.engine.packed_linear import PackedLinear, can_pack
 from kvfleet.engine.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 2048
@@ -31,14 +32,19 @@ PREALLOCATED_SEQS = 8  # the KV budget: what reserving max_model_len per sequenc
 
 
 def gemm_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """Best fp32 GEMM rate of this machine right now, in GFLOP/s."""
+    """Best fp32 GEMM rate of this machine right now, in GFLOP/s: torch's matmul or a oneDNN-packed one."""
     a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
+    candidates = [lambda: a @ b]
+    if can_pack(torch.device("cpu"), torch.float32):
+        packed = PackedLinear(b, None)
+        candidates.append(lambda: packed(a))
     best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
+    for gemm in candidates:
+        gemm()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            gemm()
+            best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e9
 
 
@@ -55,11 +61,12 @@ def useful_flops(config: ModelConfig, requests: list[BenchRequest]) -> float:
     return total
 
 
-def run_kvfleet(requests: list[BenchRequest], static: bool, kv_tokens: int) -> RunResult:
+def run_kvfleet(requests: list[BenchRequest], static: bool, kv_tokens: int, static_batch: int = 8) -> RunResult:
     model_config = ModelConfig.from_dir(resolve_model("smollm2-135m-instruct"))
     per_token = model_config.kv_bytes_per_token * 4
     engine = LLMEngine(EngineConfig(
-        max_model_len=MAX_MODEL_LEN, max_num_seqs=256, max_num_batched_tokens=2048, static_batching=static,
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=static_batch if static else 256, max_num_batched_tokens=2048,
+        static_batching=static,
         kv_cache_memory=kv_tokens * per_token, max_num_waiting=len(requests) + 1,
     ), show_progress=False)
     engine.generate([[100] * 32], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
@@ -78,7 +85,7 @@ def run_kvfleet(requests: list[BenchRequest], static: bool, kv_tokens: int) -> R
         if used > peak_blocks:
             peak_blocks, live_at_peak = used, sum(s.num_computed_tokens for s in running)
     seconds = time.perf_counter() - start
-    name = "kvfleet static batching" if static else "kvfleet continuous batching"
+    name = f"kvfleet static batches of {static_batch}" if static else "kvfleet continuous batching"
     return RunResult(name, seconds, sum(r.output_len for r in requests), {
         "steps": steps, "kv_blocks": bm.num_blocks, "peak_blocks_used": peak_blocks,
         "peak_kv_utilization": live_at_peak / (peak_blocks * bm.block_size) if peak_blocks else 0.0,

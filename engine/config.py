@@ -51,7 +51,8 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
-    static_batching: bool = False  # benchmark baseline: a batch runs until its longest member ends
+    # Benchmark baseline: a batch of up to max_num_seqs forms, then runs until its longest member ends.
+    static_batching: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):

@@ -102,7 +102,8 @@ class Scheduler:
         return out
 
     def _may_admit(self) -> bool:
-        return not (self.static_batching and self.running)
+        """Static batching admits only while its batch is forming: until a member starts decoding."""
+        return not self.static_batching or not any(seq.output_token_ids for seq in self.running)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
