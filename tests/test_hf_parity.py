@@ -9,6 +9,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.sampling_params import SamplingParams
 
 QUESTIONS = [
@@ -72,10 +73,10 @@ def check_parity(model_dir: Path, kv_blocks: int, max_new_tokens: int) -> LLMEng
     prompts = chat_prompts(model_dir)
     budget = 48
     assert max(len(p) for p in prompts) > budget, "some prompt must need chunked prefill"
-    probe = EngineConfig(model=str(model_dir), block_size=16, max_model_len=256)
+    fp32_bytes_per_block = ModelConfig.from_dir(model_dir).kv_bytes_per_token * 4 * 16
     engine = LLMEngine(EngineConfig(
         model=str(model_dir), block_size=16, max_model_len=256, max_num_batched_tokens=budget, max_num_seqs=8,
-        kv_cache_memory=kv_blocks * _bytes_per_block(model_dir, probe),
+        kv_cache_memory=kv_blocks * fp32_bytes_per_block,
     ), show_progress=False)
     got = kvfleet_staggered(engine, prompts, max_new_tokens)
     expected = hf_greedy(model_dir, prompts, max_new_tokens)
@@ -86,13 +87,6 @@ def check_parity(model_dir: Path, kv_blocks: int, max_new_tokens: int) -> LLMEng
     assert stats.prefix_cache_hits > 0, "the shared system prompt should have hit the prefix cache"
     assert stats.kv_blocks_free == stats.kv_blocks_total
     return engine
-
-
-def _bytes_per_block(model_dir: Path, config: EngineConfig) -> int:
-    from kvfleet.engine.model_config import ModelConfig
-
-    mc = ModelConfig.from_dir(model_dir)
-    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * config.block_size * 4
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
