@@ -52,6 +52,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
         torch.manual_seed(config.seed)
+        if config.attention_backend == "triton":
+            raise ValueError("--attention-backend triton is not built yet (its kernels are issue 7); use auto or torch")
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         self.model_dir = resolve_model(config.model)
