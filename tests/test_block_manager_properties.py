@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvfleet.engine.block_manager import BlockManager
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.sequence import Sequence
+from tests.kv_sim import write_kv
 
 TOKENS = st.integers(0, 3)  # a small vocabulary, so unrelated prompts also share blocks now and then
 
@@ -156,15 +157,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def compute_tokens(self, data: st.DataObject) -> None:
         seq = self._choose(data, [s for s in self.live if self._uncomputed_with_blocks(s) > 0])
         count = data.draw(st.integers(1, self._uncomputed_with_blocks(seq)), label="tokens computed")
-        size = self.bm.block_size
-        tokens = seq.all_token_ids
-        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + count):
-            block_id = seq.block_table[pos // size]
-            block = self.bm.blocks[block_id]
-            slot = self.contents[block_id]
-            if block.ref_count > 1 or block.block_hash is not None:
-                assert slot[pos % size] == tokens[pos], f"{seq.request_id} overwrote shared block {block_id}"
-            slot[pos % size] = tokens[pos]
+        write_kv(self.bm, self.contents, seq, count)
         compute(self.bm, seq, count)
         self._record_hashes(seq)
         if seq.num_computed_tokens == seq.num_tokens and seq.num_tokens < self.capacity:

@@ -19,6 +19,7 @@ from kvfleet.engine.block_manager import BlockManager
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from kvfleet.engine.sequence import Sequence, SequenceStatus
+from tests.kv_sim import write_kv
 
 
 def random_tokens(seed: int, length: int) -> list[int]:
@@ -108,15 +109,7 @@ class EngineSim:
         assert self.bm.num_free_blocks == self.bm.num_blocks, "blocks leaked after every request ended"
 
     def write_kv(self, seq: Sequence, n: int) -> None:
-        size = self.bm.block_size
-        tokens = seq.all_token_ids
-        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-            block_id = seq.block_table[pos // size]
-            block = self.bm.blocks[block_id]
-            slot = self.contents[block_id]
-            if block.ref_count > 1 or block.block_hash is not None:
-                assert slot[pos % size] == tokens[pos], f"{seq.request_id} overwrote shared block {block_id}"
-            slot[pos % size] = tokens[pos]
+        write_kv(self.bm, self.contents, seq, n)
 
     def record_hashes(self, seq: Sequence) -> None:
         tokens = seq.all_token_ids
