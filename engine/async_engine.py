@@ -58,7 +58,8 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError("the engine has stopped")
-        seq = self.engine.make_sequence(prompt, params, request_id, priority)
+        # Tokenizing a long prompt takes milliseconds: do it off the event loop.
+        seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, request_id, priority)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[seq.request_id] = stream
         self._send("add", seq)
