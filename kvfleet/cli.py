@@ -51,11 +51,30 @@ def _add_generation_command(sub: argparse._SubParsersAction, name: str, help_tex
     p.set_defaults(func=_chat)
 
 
+def _engine(args: argparse.Namespace) -> int:
+    from kvfleet.engine.cli_args import engine_config_from_args
+    from kvfleet.engine.serve import serve
+
+    return serve(engine_config_from_args(args), args.host, args.port, args.served_model_name)
+
+
+def _add_engine_command(sub: argparse._SubParsersAction) -> None:
+    from kvfleet.engine.cli_args import add_engine_args
+
+    p = sub.add_parser("engine", help="serve the engine over an OpenAI-compatible HTTP API")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    add_engine_args(p)
+    p.set_defaults(func=_engine)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfleet", description="LLM serving with batching at two levels")
     parser.add_argument("--version", action="version", version=f"kvfleet {__version__}")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_engine_command(sub)
     _add_generation_command(sub, "chat", "answer one chat message with the engine (streams to stdout)")
     _add_generation_command(sub, "generate", "complete one plain prompt with the engine")
     return parser

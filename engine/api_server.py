@@ -1,0 +1,279 @@
+"""The engine's OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health and readiness.
+
+Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for invalid input, 404 for an
+unknown model or route, 429 with Retry-After when the waiting queue is full, 503 while loading or draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvfleet.engine.async_engine import AsyncEngine
+from kvfleet.engine.llm_engine import RequestError
+from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.scheduler import QueueFullError
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+@dataclass
+class ServerState:
+    """What the routes need; engine is None until the model is loaded and warmed up."""
+
+    model_name: str
+    engine: AsyncEngine | None = None
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def require_engine(self) -> AsyncEngine:
+        if self.draining:
+            raise APIError(503, "the engine is shutting down; retry on another replica", "service_unavailable",
+                           headers={"retry-after": "1"})
+        if self.engine is None:
+            raise APIError(503, "the model is still loading; retry shortly", "service_unavailable",
+                           headers={"retry-after": "2"})
+        return self.engine
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="kvfleet engine", version="0.1.0")
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if state.engine is None or state.draining:
+            reason = "draining" if state.draining else "loading"
+            return JSONResponse({"status": reason}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvfleet"},
+        ]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        engine = state.require_engine()
+        _check_model(state, body)
+        prompt = _single_prompt(body.prompt)
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = _params(body, max_tokens, body.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = await _start(engine, prompt, params, request_id, body.priority)
+        if body.stream:
+            return _sse(_completion_chunks(state, request_id, stream, body))
+        return await _completion_response(state, request_id, stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        engine = state.require_engine()
+        _check_model(state, body)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            prompt = await asyncio.to_thread(engine.engine.tokenizer.apply_chat_template, messages)
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from err
+        max_tokens = body.effective_max_tokens()
+        if max_tokens is None:  # as vLLM: whatever room the context leaves
+            max_tokens = max(1, engine.engine.max_model_len - len(prompt))
+        params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await _start(engine, prompt, params, request_id, body.priority)
+        if body.stream:
+            return _sse(_chat_chunks(state, request_id, stream, body))
+        return await _chat_response(state, request_id, stream)
+
+    return app
+
+
+# --- request handling ---------------------------------------------------------------------------
+
+
+def _check_model(state: ServerState, body: _SamplingRequest) -> None:
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(404, f"The model `{body.model}` does not exist; this engine serves `{state.model_name}`",
+                       param="model", code="model_not_found")
+
+
+def _single_prompt(prompt: str | list) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(isinstance(p, list) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError(400, "send one prompt per request (batched prompts are not supported yet)", param="prompt")
+        return prompt[0]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError(400, "send one prompt per request (batched prompts are not supported yet)", param="prompt")
+        return prompt[0]
+    return prompt
+
+
+def _params(body: _SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return body.sampling_params(max_tokens, logprobs)
+    except ValueError as err:
+        raise APIError(400, str(err)) from err
+
+
+async def _start(engine: AsyncEngine, prompt: str | list[int], params: SamplingParams, request_id: str,
+                 priority: int) -> AsyncIterator[RequestOutput]:
+    """Submit and wait for the first output, so that refusals become HTTP errors before any byte is sent."""
+    stream = engine.generate(prompt, params, request_id, priority)
+    try:
+        first = await stream.__anext__()
+    except RequestError as err:
+        raise APIError(400, str(err), param="prompt") from err
+    except QueueFullError as err:
+        raise APIError(429, str(err), "rate_limit_exceeded", headers={"retry-after": "1"}) from err
+
+    async def chained() -> AsyncIterator[RequestOutput]:
+        try:
+            yield first
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    return chained()
+
+
+def _usage(out: RequestOutput) -> dict:
+    prompt = len(out.prompt_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": out.num_output_tokens,
+            "total_tokens": prompt + out.num_output_tokens}
+
+
+async def _final(stream: AsyncIterator[RequestOutput]) -> tuple[RequestOutput, str]:
+    text = ""
+    out = None
+    async for out in stream:
+        text += out.text_delta
+    if out.finish_reason == "error":
+        raise APIError(500, f"the engine failed this request: {out.error}", "server_error")
+    return out, text
+
+
+async def _completion_response(state: ServerState, request_id: str, stream: AsyncIterator[RequestOutput]) -> dict:
+    out, text = await _final(stream)
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}],
+            "usage": _usage(out)}
+
+
+async def _chat_response(state: ServerState, request_id: str, stream: AsyncIterator[RequestOutput]) -> dict:
+    out, text = await _final(stream)
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": out.finish_reason}],
+            "usage": _usage(out)}
+
+
+# --- streaming ----------------------------------------------------------------------------------
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        async for event in events:
+            yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+
+async def _completion_chunks(state: ServerState, request_id: str, stream: AsyncIterator[RequestOutput],
+                             body: CompletionRequest) -> AsyncIterator[dict]:
+    created = int(time.time())
+    last = None
+    async for out in stream:
+        last = out
+        if out.finish_reason == "error":
+            yield APIError(500, f"the engine failed this request: {out.error}", "server_error").body()
+            return
+        if out.text_delta or out.finished:
+            yield {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
+                   "choices": [{"index": 0, "text": out.text_delta, "logprobs": None,
+                                "finish_reason": out.finish_reason if out.finished else None}]}
+    if last is not None and body.stream_options and body.stream_options.include_usage:
+        yield {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
+               "choices": [], "usage": _usage(last)}
+
+
+async def _chat_chunks(state: ServerState, request_id: str, stream: AsyncIterator[RequestOutput],
+                       body: ChatCompletionRequest) -> AsyncIterator[dict]:
+    created = int(time.time())
+
+    def chunk(delta: dict, finish_reason: str | None) -> dict:
+        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    last = None
+    async for out in stream:
+        last = out
+        if out.finish_reason == "error":
+            yield APIError(500, f"the engine failed this request: {out.error}", "server_error").body()
+            return
+        if out.text_delta:
+            yield chunk({"content": out.text_delta}, None)
+        if out.finished:
+            yield chunk({}, out.finish_reason)
+    if last is not None and body.stream_options and body.stream_options.include_usage:
+        yield {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+               "choices": [], "usage": _usage(last)}
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            message = "the body is not valid JSON; send a JSON object"
+        else:
+            message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
+        return APIError(400, message, param=".".join(loc) or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        message = f"no route {request.method} {request.url.path}" if err.status_code == 404 else str(err.detail)
+        return APIError(err.status_code, message, "not_found_error" if err.status_code == 404 else
+                        "invalid_request_error").response()

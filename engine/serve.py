@@ -1,0 +1,45 @@
+"""`kvfleet engine`: the HTTP server answers /health at once, loads and warms the model, then turns /ready true."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+import uvicorn
+
+from kvfleet.engine.api_server import ServerState, build_app
+from kvfleet.engine.async_engine import AsyncEngine
+from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("kvfleet.engine")
+
+
+def _load(config: EngineConfig, state: ServerState, server: uvicorn.Server, url: str, failure: list) -> None:
+    try:
+        engine = LLMEngine(config)
+        # Warm-up: one batch through the model before /ready says yes.
+        engine.generate([[engine.tokenizer.bos_token_id or 0] * 8],
+                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    except ValueError as err:  # a configuration the user can fix: say what, no traceback
+        print(f"kvfleet: error: {err}", file=sys.stderr)
+        failure.append(err)
+        server.should_exit = True
+        return
+    state.engine = AsyncEngine(engine)
+    print(f"kvfleet engine ready: {url} (model {state.model_name})", file=sys.stderr, flush=True)
+
+
+def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None = None) -> int:
+    state = ServerState(model_name=served_model_name or config.model)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host=host, port=port, log_level="warning"))
+    failure: list = []
+    loader = threading.Thread(target=_load, args=(config, state, server, f"http://{host}:{port}", failure),
+                              name="kvfleet-loader", daemon=True)
+    loader.start()
+    server.run()
+    if state.engine is not None:
+        state.engine.shutdown()
+    return 2 if failure else 0

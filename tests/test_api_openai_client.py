@@ -1,0 +1,96 @@
+"""The engine's HTTP API through the official `openai` client, against a real server process on loopback."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from openai import OpenAI
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server: str) -> OpenAI:
+    return OpenAI(base_url=f"{tiny_server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def model_id(client: OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_lists_the_served_model(client: OpenAI) -> None:
+    models = client.models.list().data
+    assert len(models) == 1 and "tiny-llama" in models[0].id  # --model's value names the served model
+
+
+def test_completion_returns_text_usage_and_length_finish(client: OpenAI) -> None:
+    out = client.completions.create(model=model_id(client), prompt="The sea is", max_tokens=7, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 7
+    assert out.usage.prompt_tokens > 0 and out.usage.total_tokens == out.usage.prompt_tokens + 7
+    assert isinstance(out.choices[0].text, str) and out.choices[0].text
+
+
+def test_streamed_completion_equals_the_plain_one(client: OpenAI) -> None:
+    args = dict(model=model_id(client), prompt=[5, 6, 7, 8], max_tokens=10, temperature=0,
+                extra_body={"ignore_eos": True})
+    plain = client.completions.create(**args).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain
+    assert chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_completion_and_its_stream_agree(client: OpenAI) -> None:
+    messages = [{"role": "user", "content": "Say something."}]
+    plain = client.chat.completions.create(model=model_id(client), messages=messages, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert plain.choices[0].message.role == "assistant"
+    assert plain.usage.completion_tokens == 8
+    stream = client.chat.completions.create(model=model_id(client), messages=messages, max_tokens=8,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_context_overflow_is_a_400_that_names_the_counts(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_id(client), prompt=[7] * 200, max_tokens=100)
+    assert "maximum context length is 256 tokens" in err.value.message
+    assert "300 tokens (200 in the prompt, 100 in the completion)" in err.value.message
+
+
+def test_unknown_model_is_a_404(client: OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-17", prompt="hi", max_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (dict(max_tokens=0), "max_tokens must be >= 1"),
+        (dict(max_tokens=-5), "max_tokens must be >= 1"),
+        (dict(temperature=-1), "temperature must be in"),
+        (dict(top_p=2), "top_p must be in"),
+        (dict(n=3), "n must be 1 for now"),
+        (dict(prompt=""), "prompt is empty"),
+        (dict(prompt=[]), "prompt"),
+        (dict(prompt=[99999999]), "token ids must be integers in [0, 49152)"),
+        (dict(stop=[""]), "stop must be a non-empty string"),
+        (dict(max_tokens="many"), "max_tokens"),
+    ],
+)
+def test_invalid_completion_fields_are_400s_that_say_what_to_change(client: OpenAI, body: dict, message: str) -> None:
+    args = dict(model=model_id(client), prompt="hi", max_tokens=2)
+    args.update(body)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**{k: v for k, v in args.items() if k in ("model", "prompt", "max_tokens")},
+                                  extra_body={k: v for k, v in args.items() if k not in ("model", "prompt",
+                                                                                          "max_tokens")})
+    assert message in err.value.message
+
+
+def test_empty_messages_are_a_400(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=model_id(client), messages=[], max_tokens=2)
