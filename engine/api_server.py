@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.llm_engine import RequestError
+from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 from kvfleet.engine.sampling_params import SamplingParams
@@ -48,11 +50,16 @@ class ServerState:
 
     model_name: str
     engine: AsyncEngine | None = None
+    metrics: EngineMetrics = field(init=False)
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
+    def __post_init__(self) -> None:
+        self.metrics = EngineMetrics(lambda: self.engine.engine.stats() if self.engine is not None else None)
+
     def require_engine(self) -> AsyncEngine:
         if self.draining:
+            self.metrics.rejected.labels("draining").inc()
             raise APIError(503, "the engine is shutting down; retry on another replica", "service_unavailable",
                            headers={"retry-after": "1"})
         if self.engine is None:
@@ -76,6 +83,10 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ready"})
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [
@@ -90,7 +101,7 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = _params(body, max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await _start(engine, prompt, params, request_id, body.priority)
+        stream = await _start(state, engine, prompt, params, request_id, body.priority)
         if body.stream:
             return _sse(_completion_chunks(state, request_id, stream, body))
         return await _completion_response(state, request_id, stream)
@@ -109,7 +120,7 @@ def build_app(state: ServerState) -> FastAPI:
             max_tokens = max(1, engine.engine.max_model_len - len(prompt))
         params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await _start(engine, prompt, params, request_id, body.priority)
+        stream = await _start(state, engine, prompt, params, request_id, body.priority)
         if body.stream:
             return _sse(_chat_chunks(state, request_id, stream, body))
         return await _chat_response(state, request_id, stream)
@@ -147,15 +158,17 @@ def _params(body: _SamplingRequest, max_tokens: int, logprobs: int | None) -> Sa
         raise APIError(400, str(err)) from err
 
 
-async def _start(engine: AsyncEngine, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 priority: int) -> AsyncIterator[RequestOutput]:
+async def _start(state: ServerState, engine: AsyncEngine, prompt: str | list[int], params: SamplingParams,
+                 request_id: str, priority: int) -> AsyncIterator[RequestOutput]:
     """Submit and wait for the first output, so that refusals become HTTP errors before any byte is sent."""
     stream = engine.generate(prompt, params, request_id, priority)
     try:
         first = await stream.__anext__()
     except RequestError as err:
+        state.metrics.rejected.labels("invalid").inc()
         raise APIError(400, str(err), param="prompt") from err
     except QueueFullError as err:
+        state.metrics.rejected.labels("queue_full").inc()
         raise APIError(429, str(err), "rate_limit_exceeded", headers={"retry-after": "1"}) from err
 
     async def chained() -> AsyncIterator[RequestOutput]:

@@ -10,10 +10,12 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.sequence import Sequence
@@ -32,8 +34,9 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -95,12 +98,18 @@ class AsyncEngine:
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
+            start = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - a bug must not leave clients hanging
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(exc)
                 continue
+            if self.metrics is not None:
+                self.metrics.observe_step(self.engine.last_batch_size, time.perf_counter() - start)
+                for out in outputs:
+                    if out.finished:
+                        self.metrics.observe_finished(out)
             self._deliver(outputs)
 
     def _drain_inbox(self) -> None:

@@ -79,6 +79,7 @@ class LLMEngine:
         self._finished_outputs: list[RequestOutput] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.last_batch_size = 0  # sequences in the latest step, for the batch-size metric
 
     def _plan_kv_cache(self) -> KVCapacity:
         per_block = self.backend.bytes_per_block()
@@ -156,6 +157,7 @@ class LLMEngine:
         """Schedule one batch, run it, sample, and return every request's new output."""
         outputs, self._finished_outputs = self._finished_outputs, []
         plan = self.scheduler.schedule()
+        self.last_batch_size = len(plan.scheduled)
         if plan.is_empty:
             return outputs
         now = time.monotonic()

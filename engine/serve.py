@@ -28,7 +28,7 @@ def _load(config: EngineConfig, state: ServerState, server: uvicorn.Server, url:
         failure.append(err)
         server.should_exit = True
         return
-    state.engine = AsyncEngine(engine)
+    state.engine = AsyncEngine(engine, state.metrics)
     print(f"kvfleet engine ready: {url} (model {state.model_name})", file=sys.stderr, flush=True)
 
 

@@ -1,0 +1,89 @@
+"""Prometheus metrics of one engine, named as in ARCHITECTURE.md (the gateway and the operator read them).
+
+Gauges and counters are read from the engine's own counters at scrape time; latency histograms are
+observed by the engine thread when a request finishes and after each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvfleet.engine.llm_engine import EngineStats
+from kvfleet.engine.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, read_stats) -> None:
+        self.read_stats = read_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats: EngineStats | None = self.read_stats()
+        if stats is None:
+            return
+        gauges = {
+            "kvfleet_kv_cache_usage": ("KV-cache blocks in use, 0-1", stats.kv_cache_usage),
+            "kvfleet_kv_cache_blocks_total": ("KV-cache blocks in the pool", stats.kv_blocks_total),
+            "kvfleet_kv_cache_blocks_free": ("KV-cache blocks free (cached-but-free count as free)",
+                                             stats.kv_blocks_free),
+            "kvfleet_num_requests_running": ("requests in the running batch", stats.num_running),
+            "kvfleet_num_requests_waiting": ("requests waiting to be admitted", stats.num_waiting),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "kvfleet_num_preemptions": ("sequences preempted for KV blocks", stats.num_preemptions),
+            "kvfleet_prompt_tokens": ("prompt tokens of requests that produced a token", stats.prompt_tokens),
+            "kvfleet_generation_tokens": ("tokens generated", stats.generation_tokens),
+            "kvfleet_prefix_cache_queries": ("prompt tokens looked up in the prefix cache",
+                                             stats.prefix_cache_queries),
+            "kvfleet_prefix_cache_hits": ("prompt tokens found in the prefix cache", stats.prefix_cache_hits),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class EngineMetrics:
+    def __init__(self, read_stats) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatsCollector(read_stats))
+        r = self.registry
+        self.rejected = Counter("kvfleet_requests_rejected", "requests refused, by reason", ["reason"], registry=r)
+        self.ttft = Histogram("kvfleet_time_to_first_token_seconds", "arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvfleet_inter_token_latency_seconds", "mean time between a request's tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvfleet_e2e_request_latency_seconds", "arrival to finish", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.queue = Histogram("kvfleet_request_queue_time_seconds", "arrival to first scheduled",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.batch = Histogram("kvfleet_batch_size", "sequences in a step", buckets=BATCH_BUCKETS, registry=r)
+        self.step = Histogram("kvfleet_step_seconds", "time of one engine step", buckets=LATENCY_BUCKETS, registry=r)
+        for reason in ("queue_full", "invalid", "draining"):
+            self.rejected.labels(reason)
+
+    def observe_step(self, batch_size: int, seconds: float) -> None:
+        if batch_size:
+            self.batch.observe(batch_size)
+            self.step.observe(seconds)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            if out.num_output_tokens > 1:
+                self.itl.observe((m.finished_time - m.first_token_time) / (out.num_output_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
