@@ -32,9 +32,29 @@ def _load(config: EngineConfig, state: ServerState, server: uvicorn.Server, url:
     print(f"kvfleet engine ready: {url} (model {state.model_name})", file=sys.stderr, flush=True)
 
 
-def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None = None) -> int:
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT /ready turns false at once; uvicorn then stops accepting and lets in-flight requests
+    finish for up to the drain timeout, which is what a Kubernetes rolling update needs."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame) -> None:  # noqa: ANN001 - signal handler signature
+        if not self.state.draining:
+            log.info("signal %s: draining in-flight requests (up to %ss)", sig,
+                     self.config.timeout_graceful_shutdown)
+        self.state.draining = True
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal after shutting down; a finished drain should exit 0 instead.
+        self._captured_signals.clear()
+
+
+def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None = None,
+          drain_timeout: float = 30.0) -> int:
     state = ServerState(model_name=served_model_name or config.model)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host=host, port=port, log_level="warning"))
+    server = DrainingServer(uvicorn.Config(build_app(state), host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=drain_timeout), state)
     failure: list = []
     loader = threading.Thread(target=_load, args=(config, state, server, f"http://{host}:{port}", failure),
                               name="kvfleet-loader", daemon=True)

@@ -55,7 +55,7 @@ def _engine(args: argparse.Namespace) -> int:
     from kvfleet.engine.cli_args import engine_config_from_args
     from kvfleet.engine.serve import serve
 
-    return serve(engine_config_from_args(args), args.host, args.port, args.served_model_name)
+    return serve(engine_config_from_args(args), args.host, args.port, args.served_model_name, args.drain_timeout)
 
 
 def _add_engine_command(sub: argparse._SubParsersAction) -> None:
@@ -65,6 +65,8 @@ def _add_engine_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
     add_engine_args(p)
     p.set_defaults(func=_engine)
 
