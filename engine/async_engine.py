@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.request_log import log_finished
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.sequence import Sequence
 
@@ -110,6 +111,9 @@ class AsyncEngine:
                 for out in outputs:
                     if out.finished:
                         self.metrics.observe_finished(out)
+            for out in outputs:
+                if out.finished:
+                    log_finished(out)
             self._deliver(outputs)
 
     def _drain_inbox(self) -> None:

@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfleet", description="LLM serving with batching at two levels")
     parser.add_argument("--version", action="version", version=f"kvfleet {__version__}")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", choices=("plain", "json"), default="plain",
+                        help="json: one JSON object per line (request lines carry their fields)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_engine_command(sub)
     _add_generation_command(sub, "chat", "answer one chat message with the engine (streams to stdout)")
@@ -82,10 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _configure_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        from kvfleet.engine.request_log import JsonFormatter
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    _configure_logging(args.log_level, args.log_format)
     try:
         return args.func(args)
     except ValueError as exc:  # user-fixable configuration errors: say what to change, no traceback
