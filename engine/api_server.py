@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfleet.engine.async_engine import AsyncEngine
+from kvfleet.engine.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvfleet.engine.llm_engine import RequestError
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.outputs import RequestOutput
@@ -68,8 +69,9 @@ class ServerState:
         return self.engine
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="kvfleet engine", version="0.1.0")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     _install_error_handlers(app)
 
     @app.get("/health")

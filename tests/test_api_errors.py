@@ -63,3 +63,20 @@ def test_unknown_fields_are_ignored(http: httpx.Client) -> None:
     response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "future_field": {"x": 1}})
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_body_over_the_limit_is_a_413(http: httpx.Client) -> None:
+    huge = b'{"prompt": "' + b"a" * (9 * 1024 * 1024) + b'"}'
+    assert_openai_error(http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}),
+                        413, "request body is over")
+
+
+def test_chunked_body_over_the_limit_is_a_413(http: httpx.Client) -> None:
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(9):
+            yield b"a" * (1024 * 1024)
+        yield b'"}'
+
+    assert_openai_error(http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}),
+                        413, "request body is over")
