@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +30,9 @@ from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import QueueFullError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DISCONNECT_POLL_SECONDS = 0.25
+
+log = logging.getLogger("kvfleet.engine")
 
 
 class APIError(Exception):
@@ -106,7 +110,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         stream = await _start(state, engine, prompt, params, request_id, body.priority)
         if body.stream:
             return _sse(_completion_chunks(state, request_id, stream, body))
-        return await _completion_response(state, request_id, stream)
+        return await _unless_disconnected(request, _completion_response(state, request_id, stream))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -125,7 +129,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         stream = await _start(state, engine, prompt, params, request_id, body.priority)
         if body.stream:
             return _sse(_chat_chunks(state, request_id, stream, body))
-        return await _chat_response(state, request_id, stream)
+        return await _unless_disconnected(request, _chat_response(state, request_id, stream))
 
     return app
 
@@ -133,7 +137,23 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
 # --- request handling ---------------------------------------------------------------------------
 
 
+async def _unless_disconnected(request: Request, work) -> dict | Response:
+    """Await a non-streaming response, but abort the request (freeing its KV) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+
 def _check_model(state: ServerState, body: _SamplingRequest) -> None:
+    ignored = body.unknown_fields()
+    if ignored:  # newer clients send fields we do not know yet: serve them, and say so
+        state.metrics.ignored_fields.inc(len(ignored))
+        log.warning("ignored unknown request fields: %s", ", ".join(ignored))
     if body.model is not None and body.model != state.model_name:
         raise APIError(404, f"The model `{body.model}` does not exist; this engine serves `{state.model_name}`",
                        param="model", code="model_not_found")

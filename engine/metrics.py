@@ -55,6 +55,7 @@ class EngineMetrics:
         self.registry.register(_StatsCollector(read_stats))
         r = self.registry
         self.rejected = Counter("kvfleet_requests_rejected", "requests refused, by reason", ["reason"], registry=r)
+        self.ignored_fields = Counter("kvfleet_request_ignored_fields", "unknown request fields ignored", registry=r)
         self.ttft = Histogram("kvfleet_time_to_first_token_seconds", "arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("kvfleet_inter_token_latency_seconds", "mean time between a request's tokens",

@@ -68,3 +68,27 @@ def test_disconnect_mid_stream_frees_the_blocks(base: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"blocks not freed after the client left: {now['kvfleet_kv_cache_blocks_free']} of {total}")
+
+
+def test_unknown_fields_are_counted(base: str) -> None:
+    before = scrape(base)["kvfleet_request_ignored_fields_total"]
+    response = httpx.post(f"{base}/v1/completions", timeout=30,
+                          json={"prompt": "hi", "max_tokens": 1, "brand_new_field": 1, "another_one": "x"})
+    assert response.status_code == 200
+    assert scrape(base)["kvfleet_request_ignored_fields_total"] == before + 2
+
+
+def test_disconnect_before_a_plain_response_frees_the_blocks(base: str) -> None:
+    start = scrape(base)
+    total = start["kvfleet_kv_cache_blocks_total"]
+    body = {"prompt": [6] * 40, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    for _ in range(100):
+        now = scrape(base)
+        if now["kvfleet_num_requests_running"] == 0 and now["kvfleet_kv_cache_blocks_free"] == total:
+            generated = now["kvfleet_generation_tokens_total"] - start["kvfleet_generation_tokens_total"]
+            assert generated < 200, "the request ran to the end instead of being aborted"
+            return
+        time.sleep(0.05)
+    raise AssertionError("blocks not freed after the client left a non-streaming request")
