@@ -7,7 +7,6 @@ unknown model or route, 429 with Retry-After when the waiting queue is full, 503
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -16,14 +15,16 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvfleet.engine.api_errors import APIError
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvfleet.engine.llm_engine import RequestError
 from kvfleet.engine.metrics import EngineMetrics
+from kvfleet.engine.openai_responses import Reply, chat_body, chat_events, completion_body, completion_events, sse
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 from kvfleet.engine.sampling_params import SamplingParams
@@ -33,20 +34,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_SECONDS = 0.25
 
 log = logging.getLogger("kvfleet.engine")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 @dataclass
@@ -108,9 +95,10 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         params = _params(body, max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await _start(state, engine, prompt, params, request_id, body.priority)
+        reply = Reply(request_id, state.model_name, engine.engine.tokenizer)
         if body.stream:
-            return _sse(_completion_chunks(state, request_id, stream, body))
-        return await _unless_disconnected(request, _completion_response(state, request_id, stream))
+            return sse(completion_events(reply, stream, _include_usage(body)))
+        return await _unless_disconnected(request, completion_body(reply, stream))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -127,9 +115,10 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await _start(state, engine, prompt, params, request_id, body.priority)
+        reply = Reply(request_id, state.model_name, engine.engine.tokenizer)
         if body.stream:
-            return _sse(_chat_chunks(state, request_id, stream, body))
-        return await _unless_disconnected(request, _chat_response(state, request_id, stream))
+            return sse(chat_events(reply, stream, _include_usage(body)))
+        return await _unless_disconnected(request, chat_body(reply, stream))
 
     return app
 
@@ -147,6 +136,10 @@ async def _unless_disconnected(request: Request, work) -> dict | Response:
         if await request.is_disconnected():
             task.cancel()
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+
+def _include_usage(body: _SamplingRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
 
 
 def _check_model(state: ServerState, body: _SamplingRequest) -> None:
@@ -202,91 +195,6 @@ async def _start(state: ServerState, engine: AsyncEngine, prompt: str | list[int
             await stream.aclose()
 
     return chained()
-
-
-def _usage(out: RequestOutput) -> dict:
-    prompt = len(out.prompt_token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": out.num_output_tokens,
-            "total_tokens": prompt + out.num_output_tokens}
-
-
-async def _final(stream: AsyncIterator[RequestOutput]) -> tuple[RequestOutput, str]:
-    text = ""
-    out = None
-    async for out in stream:
-        text += out.text_delta
-    if out.finish_reason == "error":
-        raise APIError(500, f"the engine failed this request: {out.error}", "server_error")
-    return out, text
-
-
-async def _completion_response(state: ServerState, request_id: str, stream: AsyncIterator[RequestOutput]) -> dict:
-    out, text = await _final(stream)
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}],
-            "usage": _usage(out)}
-
-
-async def _chat_response(state: ServerState, request_id: str, stream: AsyncIterator[RequestOutput]) -> dict:
-    out, text = await _final(stream)
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": out.finish_reason}],
-            "usage": _usage(out)}
-
-
-# --- streaming ----------------------------------------------------------------------------------
-
-
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
-    async def body() -> AsyncIterator[str]:
-        async for event in events:
-            yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-
-
-async def _completion_chunks(state: ServerState, request_id: str, stream: AsyncIterator[RequestOutput],
-                             body: CompletionRequest) -> AsyncIterator[dict]:
-    created = int(time.time())
-    last = None
-    async for out in stream:
-        last = out
-        if out.finish_reason == "error":
-            yield APIError(500, f"the engine failed this request: {out.error}", "server_error").body()
-            return
-        if out.text_delta or out.finished:
-            yield {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
-                   "choices": [{"index": 0, "text": out.text_delta, "logprobs": None,
-                                "finish_reason": out.finish_reason if out.finished else None}]}
-    if last is not None and body.stream_options and body.stream_options.include_usage:
-        yield {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
-               "choices": [], "usage": _usage(last)}
-
-
-async def _chat_chunks(state: ServerState, request_id: str, stream: AsyncIterator[RequestOutput],
-                       body: ChatCompletionRequest) -> AsyncIterator[dict]:
-    created = int(time.time())
-
-    def chunk(delta: dict, finish_reason: str | None) -> dict:
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-
-    yield chunk({"role": "assistant", "content": ""}, None)
-    last = None
-    async for out in stream:
-        last = out
-        if out.finish_reason == "error":
-            yield APIError(500, f"the engine failed this request: {out.error}", "server_error").body()
-            return
-        if out.text_delta:
-            yield chunk({"content": out.text_delta}, None)
-        if out.finished:
-            yield chunk({}, out.finish_reason)
-    if last is not None and body.stream_options and body.stream_options.include_usage:
-        yield {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-               "choices": [], "usage": _usage(last)}
 
 
 # --- errors -------------------------------------------------------------------------------------

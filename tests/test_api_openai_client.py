@@ -94,3 +94,27 @@ def test_invalid_completion_fields_are_400s_that_say_what_to_change(client: Open
 def test_empty_messages_are_a_400(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=model_id(client), messages=[], max_tokens=2)
+
+
+def test_completion_logprobs_match_the_tokens(client: OpenAI) -> None:
+    out = client.completions.create(model=model_id(client), prompt="Once upon", max_tokens=4, temperature=0,
+                                    logprobs=3, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == out.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and logprob <= 0
+        assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy: the chosen token is the top one
+        assert token in top
+
+
+def test_chat_logprobs_in_stream_and_body(client: OpenAI) -> None:
+    args = dict(model=model_id(client), messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+                logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    body = client.chat.completions.create(**args)
+    content = body.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content) == body.choices[0].message.content
+    streamed = [c for chunk in client.chat.completions.create(stream=True, **args) if chunk.choices
+                and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
