@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfleet.engine.api_errors import APIError
@@ -60,6 +61,29 @@ class ServerState:
         return self.engine
 
 
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    error: _ErrorDetail
+
+
+_ERROR = {"model": ErrorBody, "content": {"application/json": {}}}
+GENERATION_RESPONSES: dict = {
+    200: {"content": {"application/json": {}, "text/event-stream": {}},
+          "description": "a response body, or server-sent events when stream is true"},
+    400: {**_ERROR, "description": "invalid request"}, 404: {**_ERROR, "description": "unknown model"},
+    413: {**_ERROR, "description": "body too large"}, 429: {**_ERROR, "description": "waiting queue full"},
+    499: {"description": "the client went away before the answer"},
+    500: {**_ERROR, "description": "the engine failed this request"},
+    503: {**_ERROR, "description": "loading or draining"},
+}
+
+
 def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="kvfleet engine", version="0.1.0")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
@@ -69,14 +93,15 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"description": "loading or draining"}})
     async def ready() -> JSONResponse:
         if state.engine is None or state.draining:
             reason = "draining" if state.draining else "loading"
             return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -86,7 +111,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvfleet"},
         ]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         engine = state.require_engine()
         _check_model(state, body)
@@ -100,7 +125,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
             return sse(completion_events(reply, stream, _include_usage(body)))
         return await _unless_disconnected(request, completion_body(reply, stream))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         engine = state.require_engine()
         _check_model(state, body)
