@@ -7,6 +7,7 @@ unknown model or route, 429 with Retry-After when the waiting queue is full, 503
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -32,6 +33,7 @@ from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import QueueFullError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_PROMPTS = 64  # prompts in one batched completions request
 DISCONNECT_POLL_SECONDS = 0.25
 
 log = logging.getLogger("kvfleet.engine")
@@ -115,15 +117,15 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     async def completions(body: CompletionRequest, request: Request):
         engine = state.require_engine()
         _check_model(state, body)
-        prompt = _single_prompt(body.prompt)
+        prompts = _prompt_list(body.prompt)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = _params(body, max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await _start(state, engine, prompt, params, request_id, body.priority)
-        reply = Reply(request_id, state.model_name, engine.engine.tokenizer)
+        streams = await _start_choices(state, engine, prompts, params, body.n, request_id, body.priority)
+        reply = Reply(request_id, state.model_name, engine.engine.tokenizer, body.n)
         if body.stream:
-            return sse(completion_events(reply, stream, _include_usage(body)))
-        return await _unless_disconnected(request, completion_body(reply, stream))
+            return sse(completion_events(reply, streams, _include_usage(body)))
+        return await _unless_disconnected(request, completion_body(reply, streams))
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -139,11 +141,11 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
             max_tokens = max(1, engine.engine.max_model_len - len(prompt))
         params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await _start(state, engine, prompt, params, request_id, body.priority)
-        reply = Reply(request_id, state.model_name, engine.engine.tokenizer)
+        streams = await _start_choices(state, engine, [prompt], params, body.n, request_id, body.priority)
+        reply = Reply(request_id, state.model_name, engine.engine.tokenizer, body.n)
         if body.stream:
-            return sse(chat_events(reply, stream, _include_usage(body)))
-        return await _unless_disconnected(request, chat_body(reply, stream))
+            return sse(chat_events(reply, streams, _include_usage(body)))
+        return await _unless_disconnected(request, chat_body(reply, streams))
 
     return app
 
@@ -177,18 +179,13 @@ def _check_model(state: ServerState, body: _SamplingRequest) -> None:
                        param="model", code="model_not_found")
 
 
-def _single_prompt(prompt: str | list) -> str | list[int]:
-    if isinstance(prompt, str):
-        return prompt
-    if prompt and all(isinstance(p, list) for p in prompt):
-        if len(prompt) != 1:
-            raise APIError(400, "send one prompt per request (batched prompts are not supported yet)", param="prompt")
-        return prompt[0]
-    if prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise APIError(400, "send one prompt per request (batched prompts are not supported yet)", param="prompt")
-        return prompt[0]
-    return prompt
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    """One or more prompts: a string, token ids, or a list of either (OpenAI's batched prompts)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+    return list(prompt)
 
 
 def _params(body: _SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -196,6 +193,27 @@ def _params(body: _SamplingRequest, max_tokens: int, logprobs: int | None) -> Sa
         return body.sampling_params(max_tokens, logprobs)
     except ValueError as err:
         raise APIError(400, str(err)) from err
+
+
+async def _start_choices(state: ServerState, engine: AsyncEngine, prompts: list[str | list[int]],
+                         params: SamplingParams, n: int, request_id: str, priority: int
+                         ) -> list[AsyncIterator[RequestOutput]]:
+    """One engine request per choice (n per prompt); if one is refused, the ones already started are aborted."""
+    streams: list[AsyncIterator[RequestOutput]] = []
+    try:
+        for p_index, prompt in enumerate(prompts):
+            for copy in range(n):
+                choice_params = params
+                if params.seed is not None and copy:  # seeded copies differ from each other, reproducibly
+                    choice_params = dataclasses.replace(params, seed=params.seed + copy)
+                index = p_index * n + copy
+                choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
+                streams.append(await _start(state, engine, prompt, choice_params, choice_id, priority))
+    except APIError:
+        for stream in streams:
+            await stream.aclose()
+        raise
+    return streams
 
 
 async def _start(state: ServerState, engine: AsyncEngine, prompt: str | list[int], params: SamplingParams,

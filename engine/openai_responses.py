@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -22,16 +23,18 @@ class Reply:
     request_id: str
     model: str
     tokenizer: Tokenizer
+    n: int = 1  # choices per prompt: choice i answers prompt i // n
     created: int = field(default_factory=lambda: int(time.time()))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def usage(out: RequestOutput) -> dict:
-    prompt = len(out.prompt_token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": out.num_output_tokens,
-            "total_tokens": prompt + out.num_output_tokens}
+def usage(reply: Reply, finals: list[RequestOutput]) -> dict:
+    """Each prompt counted once however many choices it has, every choice's completion tokens."""
+    prompt = sum(len(out.prompt_token_ids) for i, out in enumerate(finals) if i % reply.n == 0)
+    completion = sum(out.num_output_tokens for out in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def completion_logprobs(reply: Reply, token_ids: list[int], logprobs: list[TokenLogprobs],
@@ -73,20 +76,46 @@ async def _collect(stream: AsyncIterator[RequestOutput]) -> tuple[RequestOutput,
     return out, text, token_ids, logprobs
 
 
-async def completion_body(reply: Reply, stream: AsyncIterator[RequestOutput]) -> dict:
-    out, text, token_ids, logprobs = await _collect(stream)
+async def completion_body(reply: Reply, streams: list[AsyncIterator[RequestOutput]]) -> dict:
+    results = await asyncio.gather(*(_collect(stream) for stream in streams))
+    choices = [{"index": i, "text": text, "logprobs": completion_logprobs(reply, token_ids, logprobs),
+                "finish_reason": out.finish_reason} for i, (out, text, token_ids, logprobs) in enumerate(results)]
     return {"id": reply.request_id, "object": "text_completion", "created": reply.created, "model": reply.model,
-            "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(reply, token_ids, logprobs),
-                         "finish_reason": out.finish_reason}],
-            "usage": usage(out)}
+            "choices": choices, "usage": usage(reply, [r[0] for r in results])}
 
 
-async def chat_body(reply: Reply, stream: AsyncIterator[RequestOutput]) -> dict:
-    out, text, token_ids, logprobs = await _collect(stream)
+async def chat_body(reply: Reply, streams: list[AsyncIterator[RequestOutput]]) -> dict:
+    results = await asyncio.gather(*(_collect(stream) for stream in streams))
+    choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                "logprobs": chat_logprobs(reply, token_ids, logprobs), "finish_reason": out.finish_reason}
+               for i, (out, text, token_ids, logprobs) in enumerate(results)]
     return {"id": reply.request_id, "object": "chat.completion", "created": reply.created, "model": reply.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": chat_logprobs(reply, token_ids, logprobs), "finish_reason": out.finish_reason}],
-            "usage": usage(out)}
+            "choices": choices, "usage": usage(reply, [r[0] for r in results])}
+
+
+async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several choices as they come, tagged with their choice index; closing it aborts the rest."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, out = await queue.get()
+            if out is None:
+                remaining -= 1
+            else:
+                yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def sse(events: AsyncIterator[dict]) -> StreamingResponse:
@@ -102,42 +131,47 @@ def _engine_failure(out: RequestOutput) -> dict:
     return APIError(500, f"the engine failed this request: {out.error}", "server_error").body()
 
 
-async def completion_events(reply: Reply, stream: AsyncIterator[RequestOutput],
+async def completion_events(reply: Reply, streams: list[AsyncIterator[RequestOutput]],
                             include_usage: bool) -> AsyncIterator[dict]:
-    last, offset = None, 0
-    async for out in stream:
-        last = out
+    finals: dict[int, RequestOutput] = {}
+    offsets = [0] * len(streams)
+    async for index, out in merged(streams):
         if out.finish_reason == "error":
             yield _engine_failure(out)
             return
+        if out.finished:
+            finals[index] = out
         if out.text_delta or out.finished or out.logprobs:
-            logprobs = completion_logprobs(reply, out.new_token_ids, out.logprobs, offset)
-            offset += len(out.text_delta)
+            logprobs = completion_logprobs(reply, out.new_token_ids, out.logprobs, offsets[index])
+            offsets[index] += len(out.text_delta)
             yield {"id": reply.request_id, "object": "text_completion", "created": reply.created,
-                   "model": reply.model, "choices": [{"index": 0, "text": out.text_delta, "logprobs": logprobs,
+                   "model": reply.model, "choices": [{"index": index, "text": out.text_delta, "logprobs": logprobs,
                                                       "finish_reason": out.finish_reason if out.finished else None}]}
-    if last is not None and include_usage:
+    if include_usage and len(finals) == len(streams):
         yield {"id": reply.request_id, "object": "text_completion", "created": reply.created, "model": reply.model,
-               "choices": [], "usage": usage(last)}
+               "choices": [], "usage": usage(reply, [finals[i] for i in range(len(streams))])}
 
 
-async def chat_events(reply: Reply, stream: AsyncIterator[RequestOutput], include_usage: bool) -> AsyncIterator[dict]:
-    def chunk(delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+async def chat_events(reply: Reply, streams: list[AsyncIterator[RequestOutput]],
+                      include_usage: bool) -> AsyncIterator[dict]:
+    def chunk(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         return {"id": reply.request_id, "object": "chat.completion.chunk", "created": reply.created,
                 "model": reply.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
-    yield chunk({"role": "assistant", "content": ""}, None)
-    last = None
-    async for out in stream:
-        last = out
+    for index in range(len(streams)):
+        yield chunk(index, {"role": "assistant", "content": ""}, None)
+    finals: dict[int, RequestOutput] = {}
+    async for index, out in merged(streams):
         if out.finish_reason == "error":
             yield _engine_failure(out)
             return
         if out.text_delta or out.logprobs:
-            yield chunk({"content": out.text_delta}, None, chat_logprobs(reply, out.new_token_ids, out.logprobs))
+            yield chunk(index, {"content": out.text_delta}, None,
+                        chat_logprobs(reply, out.new_token_ids, out.logprobs))
         if out.finished:
-            yield chunk({}, out.finish_reason)
-    if last is not None and include_usage:
+            finals[index] = out
+            yield chunk(index, {}, out.finish_reason)
+    if include_usage and len(finals) == len(streams):
         yield {"id": reply.request_id, "object": "chat.completion.chunk", "created": reply.created,
-               "model": reply.model, "choices": [], "usage": usage(last)}
+               "model": reply.model, "choices": [], "usage": usage(reply, [finals[i] for i in range(len(streams))])}

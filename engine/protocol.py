@@ -52,8 +52,6 @@ class _SamplingRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
         """SamplingParams for this body; ValueError names the field that is out of range."""
-        if self.n != 1:
-            raise ValueError("n must be 1 for now; send n separate requests")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -68,6 +66,7 @@ class _SamplingRequest(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logprobs=logprobs,
+            n=self.n,
         )
 
 

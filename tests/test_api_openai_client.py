@@ -73,7 +73,8 @@ def test_unknown_model_is_a_404(client: OpenAI) -> None:
         (dict(max_tokens=-5), "max_tokens must be >= 1"),
         (dict(temperature=-1), "temperature must be in"),
         (dict(top_p=2), "top_p must be in"),
-        (dict(n=3), "n must be 1 for now"),
+        (dict(n=0), "n must be in [1, 128]"),
+        (dict(n=500), "n must be in [1, 128]"),
         (dict(prompt=""), "prompt is empty"),
         (dict(prompt=[]), "prompt"),
         (dict(prompt=[99999999]), "token ids must be integers in [0, 49152)"),
@@ -118,3 +119,38 @@ def test_chat_logprobs_in_stream_and_body(client: OpenAI) -> None:
     streamed = [c for chunk in client.chat.completions.create(stream=True, **args) if chunk.choices
                 and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
     assert [c.token for c in streamed] == [c.token for c in content]
+
+
+def test_n_choices_with_seeds_differ_and_usage_counts_the_prompt_once(client: OpenAI) -> None:
+    out = client.completions.create(model=model_id(client), prompt=[11, 12, 13, 14], max_tokens=6, n=3, seed=5,
+                                    temperature=1.0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1, "seeded copies should not all be the same"
+    assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 18
+    again = client.completions.create(model=model_id(client), prompt=[11, 12, 13, 14], max_tokens=6, n=3, seed=5,
+                                      temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+
+
+def test_batched_prompts_answer_in_order(client: OpenAI) -> None:
+    prompts = ["The sea", "A mountain", "Tomorrow"]
+    out = client.completions.create(model=model_id(client), prompt=prompts, max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    singles = [client.completions.create(model=model_id(client), prompt=p, max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == singles
+
+
+def test_streamed_chat_with_n_2_interleaves_two_complete_choices(client: OpenAI) -> None:
+    args = dict(model=model_id(client), messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=2,
+                temperature=0, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(**args)
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert finishes == {0: "length", 1: "length"}
+    assert [texts[0], texts[1]] == [c.message.content for c in sorted(plain.choices, key=lambda c: c.index)]
