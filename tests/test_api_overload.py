@@ -14,11 +14,19 @@ def test_queue_overflow_gets_429_with_retry_after_and_the_rest_complete(tiny_mod
     proc, base = start_engine_server(tiny_model_dir, "--max-num-seqs", "1", "--max-num-waiting", "1")
     try:
         body = {"prompt": [8] * 10, "max_tokens": 80, "temperature": 0, "ignore_eos": True}
-        with ThreadPoolExecutor(8) as pool:
-            responses = list(pool.map(lambda _: httpx.post(f"{base}/v1/completions", json=body, timeout=120),
-                                      range(8)))
+        with ThreadPoolExecutor(9) as pool:
+            futures = [pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=120) for _ in range(8)]
+            peak_running = peak_waiting = 0
+            while not all(f.done() for f in futures):  # metrics under load: one running, one waiting
+                text = httpx.get(f"{base}/metrics", timeout=10).text
+                peak_running = max(peak_running, _gauge(text, "kvfleet_num_requests_running"))
+                peak_waiting = max(peak_waiting, _gauge(text, "kvfleet_num_requests_waiting"))
+            responses = [f.result() for f in futures]
+        assert (peak_running, peak_waiting) == (1, 1)
+        rejected = _gauge(httpx.get(f"{base}/metrics").text, 'kvfleet_requests_rejected_total{reason="queue_full"}')
         codes = sorted(r.status_code for r in responses)
         assert set(codes) == {200, 429}, codes
+        assert rejected == codes.count(429)
         for r in responses:
             if r.status_code == 429:
                 assert r.headers["retry-after"] == "1"
@@ -28,3 +36,10 @@ def test_queue_overflow_gets_429_with_retry_after_and_the_rest_complete(tiny_mod
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _gauge(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
