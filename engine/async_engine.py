@@ -35,9 +35,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, log_prompts: bool = False) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.log_prompts = log_prompts
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -113,7 +114,8 @@ class AsyncEngine:
                         self.metrics.observe_finished(out)
             for out in outputs:
                 if out.finished:
-                    log_finished(out)
+                    prompt = self.engine.tokenizer.decode(out.prompt_token_ids) if self.log_prompts else None
+                    log_finished(out, prompt)
             self._deliver(outputs)
 
     def _drain_inbox(self) -> None:

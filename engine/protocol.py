@@ -72,7 +72,6 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
 

@@ -26,9 +26,13 @@ def request_fields(out: RequestOutput) -> dict:
     return fields
 
 
-def log_finished(out: RequestOutput) -> None:
+def log_finished(out: RequestOutput, prompt_text: str | None = None) -> None:
+    """Log a finished request; the prompt text only when the operator asked for it (--log-prompts)."""
     fields = request_fields(out)
-    log.info(" ".join(f"{k}={v}" for k, v in fields.items()), extra={"fields": fields})
+    if prompt_text is not None:
+        fields["prompt"] = prompt_text
+    log.info(" ".join(f"{k}={v!r}" if k == "prompt" else f"{k}={v}" for k, v in fields.items()),
+             extra={"fields": fields})
 
 
 def _seconds(end: float | None, start: float) -> float | None:

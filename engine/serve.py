@@ -17,7 +17,8 @@ from kvfleet.engine.sampling_params import SamplingParams
 log = logging.getLogger("kvfleet.engine")
 
 
-def _load(config: EngineConfig, state: ServerState, server: uvicorn.Server, url: str, failure: list) -> None:
+def _load(config: EngineConfig, state: ServerState, server: uvicorn.Server, url: str, failure: list,
+          log_prompts: bool) -> None:
     try:
         engine = LLMEngine(config)
         # Warm-up: one batch through the model before /ready says yes.
@@ -28,7 +29,7 @@ def _load(config: EngineConfig, state: ServerState, server: uvicorn.Server, url:
         failure.append(err)
         server.should_exit = True
         return
-    state.engine = AsyncEngine(engine, state.metrics)
+    state.engine = AsyncEngine(engine, state.metrics, log_prompts)
     print(f"kvfleet engine ready: {url} (model {state.model_name})", file=sys.stderr, flush=True)
 
 
@@ -51,12 +52,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None = None,
-          drain_timeout: float = 30.0) -> int:
+          drain_timeout: float = 30.0, log_prompts: bool = False) -> int:
     state = ServerState(model_name=served_model_name or config.model)
     server = DrainingServer(uvicorn.Config(build_app(state), host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=drain_timeout), state)
     failure: list = []
-    loader = threading.Thread(target=_load, args=(config, state, server, f"http://{host}:{port}", failure),
+    loader = threading.Thread(target=_load, args=(config, state, server, f"http://{host}:{port}", failure, log_prompts),
                               name="kvfleet-loader", daemon=True)
     loader.start()
     server.run()

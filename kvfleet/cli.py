@@ -55,7 +55,8 @@ def _engine(args: argparse.Namespace) -> int:
     from kvfleet.engine.cli_args import engine_config_from_args
     from kvfleet.engine.serve import serve
 
-    return serve(engine_config_from_args(args), args.host, args.port, args.served_model_name, args.drain_timeout)
+    return serve(engine_config_from_args(args), args.host, args.port, args.served_model_name, args.drain_timeout,
+                 args.log_prompts)
 
 
 def _add_engine_command(sub: argparse._SubParsersAction) -> None:
@@ -67,6 +68,7 @@ def _add_engine_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--log-prompts", action="store_true", help="include each request's prompt text in its log line")
     add_engine_args(p)
     p.set_defaults(func=_engine)
 

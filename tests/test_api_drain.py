@@ -34,6 +34,9 @@ def test_sigterm_finishes_in_flight_requests_then_exits_zero(tiny_model_dir: Pat
                 finish = chunk["choices"][0]["finish_reason"] or finish
         assert finish == "length"
         assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read()
+        assert "completion_tokens=120" in log and "finish_reason=length" in log  # its request log line
+        assert "draining in-flight requests" in log
     finally:
         if proc.poll() is None:
             proc.kill()

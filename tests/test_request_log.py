@@ -35,3 +35,11 @@ def test_json_format_carries_the_fields(tiny_engine, caplog) -> None:
     assert entry["prompt_tokens"] == len(out.prompt_token_ids) and entry["completion_tokens"] == 4
     assert entry["total_s"] >= entry["ttft_s"] >= 0
     assert "zebras" not in json.dumps(entry)
+
+
+def test_prompt_text_only_when_asked(tiny_engine, caplog) -> None:
+    out = finished_output(tiny_engine)
+    with caplog.at_level(logging.INFO, logger="kvfleet.requests"):
+        log_finished(out, prompt_text=SECRET)
+    assert SECRET in caplog.records[-1].getMessage()
+    assert json.loads(JsonFormatter().format(caplog.records[-1]))["prompt"] == SECRET
