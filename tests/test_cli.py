@@ -36,3 +36,9 @@ def test_unknown_model_names_the_known_ones() -> None:
     result = run_cli("chat", "hi", "--model", "no-such-model")
     assert result.returncode == 2
     assert "smollm2-135m-instruct" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_engine_server_that_cannot_fit_exits_2_with_a_suggestion(smollm2_dir) -> None:
+    result = run_cli("engine", "--port", "0", "--host", "127.0.0.1", "--kv-cache-memory", "8MiB", timeout=120)
+    assert result.returncode == 2
+    assert "use --max-model-len 176" in result.stderr and "Traceback" not in result.stderr
