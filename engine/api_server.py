@@ -1,7 +1,8 @@
 """The engine's OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health and readiness.
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for invalid input, 404 for an
-unknown model or route, 429 with Retry-After when the waiting queue is full, 503 while loading or draining.
+unknown model or route, 413 for a body over the limit, 429 with Retry-After when the waiting queue is full, 503
+while loading or draining (docs/api.md).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kvfleet.engine.llm_engine import RequestError
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.openai_responses import Reply, chat_body, chat_events, completion_body, completion_events, sse
 from kvfleet.engine.outputs import RequestOutput
-from kvfleet.engine.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from kvfleet.engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import QueueFullError
 
@@ -165,11 +166,11 @@ async def _unless_disconnected(request: Request, work) -> dict | Response:
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
 
 
-def _include_usage(body: _SamplingRequest) -> bool:
+def _include_usage(body: SamplingRequest) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-def _check_model(state: ServerState, body: _SamplingRequest) -> None:
+def _check_model(state: ServerState, body: SamplingRequest) -> None:
     ignored = body.unknown_fields()
     if ignored:  # newer clients send fields we do not know yet: serve them, and say so
         state.metrics.ignored_fields.inc(len(ignored))
@@ -188,7 +189,7 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _params(body: _SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     try:
         return body.sampling_params(max_tokens, logprobs)
     except ValueError as err:

@@ -14,7 +14,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions; unknown fields are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
@@ -70,7 +70,7 @@ class _SamplingRequest(BaseModel):
         )
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -95,7 +95,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
