@@ -1,6 +1,7 @@
 """schemathesis against the engine's own OpenAPI schema: generated requests never get a 5xx or a broken response.
 
-The server runs in this process on the tiny model (real engine, real app, ASGI transport).
+The server runs in this process on the tiny model (real engine, real app, ASGI transport). Cases are drawn
+from schemathesis' strategies with plain hypothesis, so the test does not depend on schemathesis' pytest plugin.
 """
 
 from __future__ import annotations
@@ -9,41 +10,70 @@ from pathlib import Path
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from schemathesis import checks as st_checks
 
 from kvfleet.engine.api_server import ServerState, build_app
 from kvfleet.engine.async_engine import AsyncEngine
 from tests.conftest import make_engine
 
-MODEL = "tiny"
+CHECKS = [st_checks.not_a_server_error, st_checks.response_schema_conformance, st_checks.content_type_conformance]
 
 
 @pytest.fixture(scope="module")
-def app(tiny_model_dir: Path):
-    state = ServerState(model_name=MODEL)
+def api_schema(tiny_model_dir: Path):
+    state = ServerState(model_name="tiny")
     state.engine = AsyncEngine(make_engine(tiny_model_dir, max_num_waiting=64), state.metrics)
-    yield build_app(state)
+    yield schemathesis.openapi.from_asgi("/openapi.json", build_app(state))
     state.engine.shutdown()
 
 
-schema = schemathesis.pytest.from_fixture("api_schema")
+def operations(schema) -> dict[str, object]:
+    return {f"{op.method.upper()} {op.path}": op for op in (result.ok() for result in schema.get_all_operations())}
 
 
-@pytest.fixture(scope="module")
-def api_schema(app):
-    return schemathesis.openapi.from_asgi("/openapi.json", app)
+def shorten(case) -> None:
+    """Keep generation short: clamp valid token limits, leave invalid ones alone."""
+    if not isinstance(case.body, dict):
+        return
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = case.body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            case.body[key] = min(value, 8)
+    if case.body.get("max_tokens") is None and case.body.get("max_completion_tokens") is None:
+        case.body["max_tokens"] = 8
 
 
-@schema.parametrize()
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-def test_generated_requests_get_no_5xx_and_valid_responses(case) -> None:
-    if isinstance(case.body, dict):  # keep generation short: clamp valid token limits, leave invalid ones alone
-        for key in ("max_tokens", "max_completion_tokens"):
-            value = case.body.get(key)
-            if isinstance(value, int) and not isinstance(value, bool):
-                case.body[key] = min(value, 8)
-        if case.body.get("max_tokens") is None and case.body.get("max_completion_tokens") is None:
-            case.body["max_tokens"] = 8
-    case.call_and_validate(checks=[st_checks.not_a_server_error, st_checks.response_schema_conformance,
-                                   st_checks.content_type_conformance])
+def test_schema_lists_every_route(api_schema) -> None:
+    assert set(operations(api_schema)) == {
+        "GET /health", "GET /ready", "GET /metrics", "GET /v1/models", "POST /v1/completions",
+        "POST /v1/chat/completions",
+    }
+
+
+@pytest.mark.parametrize("route", ["GET /health", "GET /ready", "GET /metrics", "GET /v1/models",
+                                   "POST /v1/completions", "POST /v1/chat/completions"])
+def test_generated_requests_get_no_5xx_and_valid_responses(api_schema, route: str) -> None:
+    operation = operations(api_schema)[route]
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=25 if route.startswith("POST") else 5, deadline=None,
+              suppress_health_check=list(HealthCheck), database=None)
+    def check(case) -> None:
+        shorten(case)
+        case.call_and_validate(checks=CHECKS)
+
+    check()
+
+
+def test_hostile_bodies_from_the_schema_never_crash(api_schema) -> None:
+    """Bodies that break the schema on purpose (schemathesis' negative mode) get 4xx, never 5xx."""
+    operation = operations(api_schema)["POST /v1/completions"]
+
+    @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode.NEGATIVE))
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def check(case) -> None:
+        response = case.call()
+        assert response.status_code < 500, response.text
+
+    check()
