@@ -1,0 +1,79 @@
+"""The gateway's routing decision, as pure functions over endpoint snapshots."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvfleet.gateway.routing import (
+    EndpointSnapshot,
+    SaturationPolicy,
+    pick_by_score,
+    pick_least_request,
+    pick_round_robin,
+)
+
+
+def ep(url: str, kv: float = 0.1, waiting: int = 0, running: int = 0, age: float = 0.05, healthy: bool = True,
+       in_flight: int = 0) -> EndpointSnapshot:
+    return EndpointSnapshot(url, healthy, kv, waiting, running, age, in_flight)
+
+
+def test_most_kv_headroom_wins_when_queues_are_equal() -> None:
+    chosen = pick_by_score([ep("a", kv=0.6), ep("b", kv=0.1), ep("c", kv=0.4)], {}, random.Random(0))
+    assert chosen.url == "b"
+
+
+def test_shorter_queue_wins_when_kv_is_equal() -> None:
+    chosen = pick_by_score([ep("a", waiting=3), ep("b", waiting=0, in_flight=1), ep("c", waiting=2)], {},
+                           random.Random(0))
+    assert chosen.url == "b"
+
+
+def test_prefix_affinity_outweighs_a_small_load_difference() -> None:
+    endpoints = [ep("a", kv=0.3, waiting=1), ep("b", kv=0.1)]
+    assert pick_by_score(endpoints, {"a": 0.9}, random.Random(0)).url == "a"
+    assert pick_by_score(endpoints, {}, random.Random(0)).url == "b"
+
+
+def test_saturated_unhealthy_and_stale_endpoints_are_never_chosen() -> None:
+    endpoints = [ep("full-kv", kv=0.85), ep("long-queue", waiting=4, in_flight=1), ep("stale", age=0.5),
+                 ep("down", healthy=False), ep("ok", kv=0.7, waiting=4)]
+    for seed in range(20):
+        assert pick_by_score(endpoints, {"full-kv": 1.0, "stale": 1.0}, random.Random(seed)).url == "ok"
+        assert pick_least_request(endpoints, random.Random(seed)).url == "ok"
+
+
+def test_everything_saturated_means_queue_the_request() -> None:
+    assert pick_by_score([ep("a", kv=0.9), ep("b", waiting=5)], {}, random.Random(0)) is None
+    assert pick_least_request([ep("a", age=1.0)], random.Random(0)) is None
+
+
+def test_equal_endpoints_share_the_load_instead_of_herding() -> None:
+    endpoints = [ep(u) for u in "abcd"]
+    picks = Counter(pick_by_score(endpoints, {}, random.Random(seed)).url for seed in range(400))
+    assert set(picks) == set("abcd") and min(picks.values()) > 50
+
+
+def test_round_robin_rotates_over_healthy_endpoints_blind_to_load() -> None:
+    endpoints = [ep("a", kv=0.99), ep("b", healthy=False), ep("c")]
+    assert [pick_round_robin(endpoints, i).url for i in range(4)] == ["a", "c", "a", "c"]
+    assert pick_round_robin([ep("x", healthy=False)], 0) is None
+
+
+@given(st.lists(st.tuples(st.floats(0, 1), st.integers(0, 10), st.floats(0, 0.5), st.booleans()), min_size=1,
+                max_size=8), st.integers(0, 1000))
+def test_choice_is_always_available_and_never_clearly_worse_than_another(rows, seed) -> None:
+    endpoints = [ep(f"e{i}", kv=kv, waiting=w, age=age, healthy=h) for i, (kv, w, age, h) in enumerate(rows)]
+    chosen = pick_by_score(endpoints, {}, random.Random(seed))
+    policy = SaturationPolicy()
+    ok = [e for e in endpoints if e.healthy and not policy.is_saturated(e)]
+    assert (chosen is None) == (not ok)
+    if chosen is not None:
+        assert chosen in ok
+        better = [e for e in ok if e.kv_cache_usage < chosen.kv_cache_usage - 0.05
+                  and e.queue_depth < chosen.queue_depth]
+        assert not better, "an endpoint with both more KV room and a shorter queue was passed over"
