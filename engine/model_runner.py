@@ -13,7 +13,6 @@ from kvfleet.engine.sequence import Sequence
 
 @dataclass
 class BatchInputs:
-    sequences: list[tuple[Sequence, int]]  # in batch order: decode tokens first, then prefill chunks
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
@@ -69,7 +68,7 @@ class ModelRunner:
             prefill_context_lens=[seq.num_computed_tokens for seq, _ in prefills],
             prefill_block_tables=[self._tensor(seq.block_table) for seq, _ in prefills],
         )
-        return BatchInputs(ordered, self._tensor(input_ids), self._tensor(positions), meta,
+        return BatchInputs(self._tensor(input_ids), self._tensor(positions), meta,
                            self._tensor(logits_indices), sample_sequences)
 
     def _decode_groups(self, decodes: list[tuple[Sequence, int]]) -> list[DecodeGroup]:

@@ -33,9 +33,6 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        return self._hf.convert_ids_to_tokens(ids)
-
     @property
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
