@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 class APIError(Exception):
@@ -17,3 +20,27 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error a client can cause answers in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            message = "the body is not valid JSON; send a JSON object"
+        else:
+            message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
+        return APIError(400, message, param=".".join(loc) or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        message = f"no route {request.method} {request.url.path}" if err.status_code == 404 else str(err.detail)
+        return APIError(err.status_code, message, "not_found_error" if err.status_code == 404 else
+                        "invalid_request_error").response()

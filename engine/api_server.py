@@ -16,13 +16,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvfleet.engine.api_errors import APIError
+from kvfleet.engine.api_errors import APIError, install_error_handlers
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvfleet.engine.llm_engine import RequestError
@@ -90,7 +88,7 @@ GENERATION_RESPONSES: dict = {
 def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="kvfleet engine", version="0.1.0")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    _install_error_handlers(app)
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> dict:
@@ -242,25 +240,3 @@ async def _start(state: ServerState, engine: AsyncEngine, prompt: str | list[int
 
 
 # --- errors -------------------------------------------------------------------------------------
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, err: APIError) -> JSONResponse:
-        return err.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        if first.get("type") == "json_invalid":
-            message = "the body is not valid JSON; send a JSON object"
-        else:
-            message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
-        return APIError(400, message, param=".".join(loc) or None).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-        message = f"no route {request.method} {request.url.path}" if err.status_code == 404 else str(err.detail)
-        return APIError(err.status_code, message, "not_found_error" if err.status_code == 404 else
-                        "invalid_request_error").response()

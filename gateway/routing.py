@@ -89,3 +89,27 @@ def pick_round_robin(endpoints: list[EndpointSnapshot], counter: int) -> Endpoin
     """Plain rotation over healthy endpoints, blind to load (the baseline kvfleet is compared against)."""
     healthy = [e for e in endpoints if e.healthy]
     return healthy[counter % len(healthy)] if healthy else None
+
+
+def pick(strategy: str, endpoints: list[EndpointSnapshot], prefix_matches: dict[str, float], rng: random.Random,
+         counter: int, weights: ScoreWeights = ScoreWeights(), policy: SaturationPolicy = SaturationPolicy(),
+         exclude: frozenset[str] = frozenset(), must: bool = False) -> EndpointSnapshot | None:
+    """The configured strategy over the endpoints not excluded. With must (a request released from the queue,
+    or a retry), a healthy endpoint is returned even when all are saturated: the least loaded one."""
+    endpoints = [e for e in endpoints if e.url not in exclude]
+    if strategy == "round-robin":
+        chosen = pick_round_robin(endpoints, counter)
+    elif strategy == "least-request":
+        chosen = pick_least_request(endpoints, rng, policy)
+    else:
+        chosen = pick_by_score(endpoints, prefix_matches, rng, weights, policy)
+    if chosen is None and must:
+        healthy = [e for e in endpoints if e.healthy]
+        if healthy:
+            chosen = min(healthy, key=lambda e: (e.queue_depth, e.kv_cache_usage, rng.random()))
+    return chosen
+
+
+def free_slots(endpoints: list[EndpointSnapshot], policy: SaturationPolicy = SaturationPolicy()) -> int:
+    """How many queued requests the fleet can take now: each available endpoint's room below the queue limit."""
+    return sum(max(1, policy.max_queue - e.queue_depth) for e in available(endpoints, policy))

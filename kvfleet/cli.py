@@ -73,6 +73,21 @@ def _add_engine_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_engine)
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from kvfleet.gateway.cli_args import gateway_config_from_args
+    from kvfleet.gateway.serve import serve
+
+    return serve(gateway_config_from_args(args), args.host, args.port)
+
+
+def _add_gateway_command(sub: argparse._SubParsersAction) -> None:
+    from kvfleet.gateway.cli_args import add_gateway_args
+
+    p = sub.add_parser("gateway", help="route, queue and shed requests across a fleet of engines")
+    add_gateway_args(p)
+    p.set_defaults(func=_gateway)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfleet", description="LLM serving with batching at two levels")
     parser.add_argument("--version", action="version", version=f"kvfleet {__version__}")
@@ -81,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="json: one JSON object per line (request lines carry their fields)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_engine_command(sub)
+    _add_gateway_command(sub)
     _add_generation_command(sub, "chat", "answer one chat message with the engine (streams to stdout)")
     _add_generation_command(sub, "generate", "complete one plain prompt with the engine")
     return parser

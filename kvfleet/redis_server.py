@@ -42,7 +42,7 @@ class RedisServer:
     def __init__(self, port: int | None = None, password: str | None = None):
         self.port = port or _free_port()
         self.password = password
-        self._dir = tempfile.mkdtemp(prefix="kvfleet-redis-")
+        self._dir: str | None = None
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -51,6 +51,8 @@ class RedisServer:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        """Starts (or, after stop(), restarts on the same port, empty)."""
+        self._dir = tempfile.mkdtemp(prefix="kvfleet-redis-")
         args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"]
         if self.password:
@@ -79,7 +81,9 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     def __enter__(self) -> RedisServer:
         return self.start()

@@ -46,33 +46,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_engine_server(model_dir: Path, *extra: str, timeout: float = 180.0):
-    """A real `kvfleet engine` process on loopback; returns (process, base URL) once /ready says yes."""
+def _start_server(args: list[str], port: int, what: str, timeout: float, ready: str = "/ready"):
+    """A real kvfleet process on loopback; returns (process, base URL) once its ready path answers 200.
+    Its output goes to a temporary file (a pipe nobody reads could fill and block it)."""
     import subprocess
     import sys
+    import tempfile
     import time
     import urllib.request
 
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvfleet.cli", "engine", "--model", str(model_dir), "--host", "127.0.0.1",
-         "--port", str(port), "--max-model-len", "256", "--kv-cache-memory", "8MiB", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                            text=True)
+    proc.log = log
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the engine exited with {proc.returncode}: {proc.stdout.read()}")
+            log.seek(0)
+            raise RuntimeError(f"the {what} exited with {proc.returncode}: {log.read()}")
         try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+            with urllib.request.urlopen(f"{url}{ready}", timeout=2) as response:
                 if response.status == 200:
                     return proc, url
         except OSError:
             pass
-        time.sleep(0.3)
+        time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("the engine did not become ready in time")
+    raise RuntimeError(f"the {what} did not become ready in time")
+
+
+def process_output(proc) -> str:
+    proc.log.seek(0)
+    return proc.log.read()
+
+
+def start_engine_server(model_dir: Path, *extra: str, timeout: float = 180.0):
+    """A real `kvfleet engine` process on loopback; returns (process, base URL) once /ready says yes."""
+    port = free_port()
+    args = ["engine", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", "256", "--kv-cache-memory", "8MiB", *extra]
+    return _start_server(args, port, "engine", timeout)
+
+
+def start_gateway(*extra: str, timeout: float = 60.0):
+    """A real `kvfleet gateway` process on loopback (pass --engine URLs, --redis-url, ...)."""
+    port = free_port()
+    return _start_server(["gateway", "--host", "127.0.0.1", "--port", str(port), *extra], port, "gateway",
+                         timeout, ready="/health")
+
+
+def stop_process(proc, timeout: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except Exception:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,42 @@
+"""What happens to a request on arrival: route it now, queue it, or refuse it (the shedding verdict, pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvfleet.gateway.priority import Priority
+
+
+class Action(StrEnum):
+    ROUTE = "route"
+    QUEUE = "queue"
+    SHED = "shed"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: Action
+    reason: str | None = None  # for SHED: "saturated" or "queue_full"
+    message: str | None = None
+
+
+def admit(priority: Priority, fleet_has_capacity: bool, queued_total: int, queued_in_class: int,
+          class_cap: int) -> Verdict:
+    """Route while there is room and nobody waits; otherwise queue, except sheddable traffic and full classes."""
+    if fleet_has_capacity and queued_total == 0:
+        return Verdict(Action.ROUTE)
+    if priority is Priority.SHEDDABLE and not fleet_has_capacity:
+        return Verdict(Action.SHED, "saturated", "every engine is saturated and sheddable requests are not queued; "
+                                                 "retry later or send a higher x-kvfleet-priority")
+    if queued_in_class >= class_cap:
+        return Verdict(Action.SHED, "queue_full", f"the fleet queue for {priority.value} requests is full "
+                                                  f"({class_cap} waiting); retry later")
+    return Verdict(Action.QUEUE)
+
+
+def retry_after_seconds(queued_total: int, drain_per_s: float, floor: int = 1, ceiling: int = 60) -> int:
+    """A Retry-After hint: how long the queue ahead would take to drain at the recent release rate."""
+    if drain_per_s <= 0:
+        return min(ceiling, max(floor, 5))
+    return int(min(ceiling, max(floor, round(queued_total / drain_per_s))))

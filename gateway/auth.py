@@ -1,0 +1,188 @@
+"""Optional API keys for the gateway, held only as sha256 hashes.
+
+Key lines (a file, or each value of a Kubernetes Secret) read `<key or sha256:<64 hex>> [name=N] [rpm=N] [tpm=N]`;
+`#` at a line's start or after a space starts a comment (a key cannot start with `#` or hold spaces).
+Hash a key for the file with `printf %s "$KEY" | sha256sum`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import re
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HASH_PREFIX = "sha256:"
+LIMIT_OPTIONS = ("rpm", "tpm")
+COMMENT = re.compile(r"(^|\s)#.*")
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """Who a key belongs to and its limits; key_id (the hash's first 12 hex characters) is safe to log."""
+
+    key_id: str
+    name: str
+    rpm: int | None = None
+    tpm: int | None = None
+
+
+def hash_key(key: str) -> str:
+    """The sha256 hex digest of a plaintext key, as the key file's `sha256:` entries hold it."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse_key_lines(
+    text: str, source: str, default_rpm: int | None = None, default_tpm: int | None = None
+) -> dict[str, KeyInfo]:
+    """Key entries by sha256 hex; a malformed line raises ValueError naming `source` and the line number."""
+    keys: dict[str, KeyInfo] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = COMMENT.sub("", raw).strip()
+        if not line:
+            continue
+        try:
+            digest, info = _parse_line(line, default_rpm, default_tpm)
+        except ValueError as err:
+            raise ValueError(f"{source} line {number}: {err}") from None
+        if digest in keys:
+            raise ValueError(f"{source} line {number}: the same key appears twice (key_id {info.key_id})")
+        keys[digest] = info
+    return keys
+
+
+def _parse_line(line: str, default_rpm: int | None, default_tpm: int | None) -> tuple[str, KeyInfo]:
+    first, *options = line.split()
+    if "=" in first and first.split("=", 1)[0] in ("name", *LIMIT_OPTIONS):
+        raise ValueError(f"the key must come first, before {first.split('=', 1)[0]}=")
+    digest = _digest_of(first)
+    settings: dict[str, Any] = {"name": digest[:12], "rpm": default_rpm, "tpm": default_tpm}
+    seen: set[str] = set()
+    for option in options:
+        field, sep, value = option.partition("=")
+        if not sep or field not in settings:
+            raise ValueError(f"unknown option {option!r}; expected name=, rpm= or tpm=")
+        if field in seen:
+            raise ValueError(f"{field}= is given twice")
+        if not value:
+            raise ValueError(f"{field}= needs a value")
+        seen.add(field)
+        settings[field] = value if field == "name" else _parse_limit(field, value)
+    return digest, KeyInfo(key_id=digest[:12], **settings)
+
+
+def _digest_of(token: str) -> str:
+    if not token.startswith(HASH_PREFIX):
+        return hash_key(token)
+    digest = token[len(HASH_PREFIX):].lower()
+    if len(digest) != 64 or any(c not in string.hexdigits for c in digest):
+        raise ValueError(f"a sha256 hash must be 64 hex characters, got {len(digest)} characters")
+    return digest
+
+
+def _parse_limit(field: str, value: str) -> int:
+    if not (value.isascii() and value.isdigit()):
+        raise ValueError(f"{field}={value} must be a non-negative integer")
+    return int(value)
+
+
+class ApiKeyStore:
+    """Checks presented keys against stored sha256 hashes; no plaintext key is kept."""
+
+    def __init__(self, keys: Mapping[str, KeyInfo]):
+        self._entries: list[tuple[bytes, KeyInfo]] = [(bytes.fromhex(h), info) for h, info in keys.items()]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @classmethod
+    def from_text(
+        cls, text: str, source: str = "<keys>", default_rpm: int | None = None, default_tpm: int | None = None
+    ) -> ApiKeyStore:
+        """Keys from text in the key-line format; `source` names it in error messages."""
+        return cls(parse_key_lines(text, source, default_rpm, default_tpm))
+
+    @classmethod
+    def from_file(
+        cls, path: str | Path, default_rpm: int | None = None, default_tpm: int | None = None
+    ) -> ApiKeyStore:
+        """Keys from a UTF-8 file; an unreadable file raises OSError, a malformed line ValueError."""
+        return cls.from_text(Path(path).read_text(encoding="utf-8"), str(path), default_rpm, default_tpm)
+
+    @classmethod
+    def from_secret(
+        cls,
+        namespace: str,
+        name: str,
+        api_client: Any = None,
+        default_rpm: int | None = None,
+        default_tpm: int | None = None,
+    ) -> ApiKeyStore:
+        """Keys from every data value of a Secret; blocking, so call it at start-up or in an executor."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        api = client.CoreV1Api(api_client or _default_api_client())
+        try:
+            secret = api.read_namespaced_secret(name=name, namespace=namespace)
+        except ApiException as err:
+            if err.status in (401, 403, 404):
+                reason = {404: "not found"}.get(err.status, "not readable; grant `get` on secrets to the gateway")
+                raise ValueError(f"Secret {namespace}/{name} is {reason}") from None
+            raise
+        keys: dict[str, KeyInfo] = {}
+        for field, encoded in sorted((secret.data or {}).items()):
+            source = f"Secret {namespace}/{name} key {field!r}"
+            try:
+                text = base64.b64decode(encoded, validate=True).decode("utf-8")
+            except (binascii.Error, UnicodeDecodeError):
+                raise ValueError(f"{source} is not base64-encoded UTF-8 text") from None
+            for digest, info in parse_key_lines(text, source, default_rpm, default_tpm).items():
+                if digest in keys:
+                    raise ValueError(f"{source}: key_id {info.key_id} also appears in another key of the Secret")
+                keys[digest] = info
+        return cls(keys)
+
+    def authenticate(self, authorization_header: str | None) -> KeyInfo | None:
+        """The key's info for `Bearer <key>`, else None."""
+        scheme, _, token = (authorization_header or "").strip().partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        return self.lookup(token.strip())
+
+    def authenticate_headers(self, headers: Mapping[str, str]) -> KeyInfo | None:
+        """`authorization: Bearer <key>` if it holds a valid key, else the raw key in `x-api-key`."""
+        lowered = {k.lower(): v for k, v in headers.items()}
+        info = self.authenticate(lowered.get("authorization"))
+        if info is None and lowered.get("x-api-key"):
+            info = self.lookup(lowered["x-api-key"].strip())
+        return info
+
+    def lookup(self, key: str) -> KeyInfo | None:
+        """Compares the key's hash with every stored hash in constant time, without stopping at a match."""
+        if not key:
+            return None
+        digest = hashlib.sha256(key.encode()).digest()
+        found = None
+        for stored, info in self._entries:
+            if hmac.compare_digest(stored, digest):
+                found = info
+        return found
+
+
+def _default_api_client() -> Any:
+    """In-cluster service-account credentials, else the local kubeconfig."""
+    from kubernetes import client, config
+
+    try:
+        configuration = client.Configuration()
+        config.load_incluster_config(client_configuration=configuration)
+        return client.ApiClient(configuration)
+    except config.ConfigException:
+        return config.new_client_from_config()

@@ -1,0 +1,64 @@
+"""`kvfleet gateway` flags and the GatewayConfig they make."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvfleet.gateway.config import ROUTING_STRATEGIES, GatewayConfig, parse_queue_caps
+from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8080)
+    d = p.add_argument_group("discovery (one of)")
+    d.add_argument("--engine", action="append", default=[], metavar="URL",
+                   help="an engine's base URL, e.g. http://127.0.0.1:8000 (repeatable)")
+    d.add_argument("--k8s-namespace", default=None, help="watch ready engine pods in this namespace")
+    d.add_argument("--k8s-selector", default=None, help="label selector of the engine pods, e.g. kvfleet.io/fleet=chat")
+    d.add_argument("--k8s-port-name", default="http", help="the engine container's port name")
+    q = p.add_argument_group("fleet queue")
+    q.add_argument("--fleet", default="default", help="fleet name; Redis keys start with kvfleet:{<fleet>}:")
+    q.add_argument("--redis-url", default=None,
+                   help="redis://[:password@]host:port/db shared by all gateway replicas; without it, or while it "
+                        "is unreachable, requests queue in this process")
+    q.add_argument("--max-queue-ms", type=float, default=30_000.0,
+                   help="default longest wait in the queue (a request may lower or raise it with "
+                        "x-kvfleet-max-queue-ms, up to 600000)")
+    q.add_argument("--aging-ms", type=float, default=10_000.0,
+                   help="a request that has waited this long goes ahead of new arrivals one class above it")
+    q.add_argument("--queue-caps", default="", help="per-class queue caps, e.g. critical=1000,standard=1000,"
+                                                     "sheddable=100 (over the cap: 429)")
+    r = p.add_argument_group("routing")
+    r.add_argument("--routing", choices=ROUTING_STRATEGIES, default="kvfleet")
+    r.add_argument("--weight-queue", type=float, default=2.0)
+    r.add_argument("--weight-kv", type=float, default=2.0)
+    r.add_argument("--weight-prefix", type=float, default=3.0)
+    r.add_argument("--saturation-queue", type=int, default=5, help="an engine with this many waiting is saturated")
+    r.add_argument("--saturation-kv", type=float, default=0.8, help="an engine at this KV usage is saturated")
+    r.add_argument("--max-metrics-age-ms", type=float, default=200.0,
+                   help="an engine whose metrics are older than this counts as saturated")
+    r.add_argument("--scrape-interval-ms", type=float, default=75.0)
+    r.add_argument("--eject-after-failures", type=int, default=3)
+    r.add_argument("--eject-seconds", type=float, default=10.0)
+    a = p.add_argument_group("access control")
+    a.add_argument("--api-keys-file", default=None,
+                   help="one key per line: <key or sha256:<hex>> [name=N] [rpm=N] [tpm=N]")
+    a.add_argument("--api-keys-secret", default=None, metavar="NAMESPACE/NAME",
+                   help="read the keys from a Kubernetes Secret (same line format in each value)")
+    a.add_argument("--rpm-per-key", type=int, default=None, help="default requests per minute per key")
+    a.add_argument("--tpm-per-key", type=int, default=None, help="default tokens per minute per key")
+    a.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+
+
+def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        engines=args.engine, k8s_namespace=args.k8s_namespace, k8s_selector=args.k8s_selector,
+        k8s_port_name=args.k8s_port_name, fleet=args.fleet, redis_url=args.redis_url, routing=args.routing,
+        weights=ScoreWeights(args.weight_queue, args.weight_kv, args.weight_prefix),
+        saturation=SaturationPolicy(args.saturation_queue, args.saturation_kv, args.max_metrics_age_ms / 1000.0),
+        scrape_interval_s=args.scrape_interval_ms / 1000.0, default_max_queue_ms=args.max_queue_ms,
+        aging_ms=args.aging_ms, queue_caps=parse_queue_caps(args.queue_caps),
+        eject_after_failures=args.eject_after_failures, eject_seconds=args.eject_seconds,
+        max_body_bytes=args.max_body_bytes, api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,
+        rpm_per_key=args.rpm_per_key, tpm_per_key=args.tpm_per_key)

@@ -1,0 +1,74 @@
+"""The gateway's settings, checked once at start (CLI flags map onto these fields one to one)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from kvfleet.gateway.priority import Priority
+from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
+
+ROUTING_STRATEGIES = ("kvfleet", "least-request", "round-robin")
+DEFAULT_CAPS = {Priority.CRITICAL: 1000, Priority.STANDARD: 1000, Priority.SHEDDABLE: 100}
+
+
+@dataclass
+class GatewayConfig:
+    engines: list[str] = field(default_factory=list)  # static discovery
+    k8s_namespace: str | None = None  # Kubernetes discovery (with k8s_selector)
+    k8s_selector: str | None = None
+    k8s_port_name: str = "http"
+    fleet: str = "default"
+    redis_url: str | None = None
+    gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    routing: str = "kvfleet"
+    weights: ScoreWeights = field(default_factory=ScoreWeights)
+    saturation: SaturationPolicy = field(default_factory=SaturationPolicy)
+    scrape_interval_s: float = 0.075
+    default_max_queue_ms: float = 30_000.0
+    max_queue_ms_limit: float = 600_000.0
+    aging_ms: float = 10_000.0
+    queue_caps: dict[Priority, int] = field(default_factory=lambda: dict(DEFAULT_CAPS))
+    eject_after_failures: int = 3
+    eject_seconds: float = 10.0
+    upstream_connect_timeout_s: float = 2.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    api_keys_file: str | None = None
+    api_keys_secret: str | None = None  # namespace/name of a Kubernetes Secret
+    rpm_per_key: int | None = None
+    tpm_per_key: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.engines and self.k8s_selector:
+            raise ValueError("use either --engine (static) or --k8s-selector (Kubernetes discovery), not both")
+        if self.k8s_selector and not self.k8s_namespace:
+            raise ValueError("--k8s-selector needs --k8s-namespace")
+        if self.routing not in ROUTING_STRATEGIES:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTING_STRATEGIES)}, not {self.routing!r}")
+        if not 0.05 <= self.scrape_interval_s <= 10:
+            raise ValueError("--scrape-interval must be between 0.05 and 10 seconds")
+        if not 0 <= self.default_max_queue_ms <= self.max_queue_ms_limit:
+            raise ValueError(f"--max-queue-ms must be between 0 and {self.max_queue_ms_limit:.0f}")
+        if self.aging_ms <= 0:
+            raise ValueError("--aging-ms must be positive")
+        for p, cap in self.queue_caps.items():
+            if cap < 0:
+                raise ValueError(f"the {p.value} queue cap must be >= 0, not {cap}")
+        if self.eject_after_failures < 1 or self.eject_seconds < 0:
+            raise ValueError("--eject-after-failures must be >= 1 and --eject-seconds >= 0")
+        if self.api_keys_file and self.api_keys_secret:
+            raise ValueError("use either --api-keys-file or --api-keys-secret, not both")
+        if not self.fleet or any(c in self.fleet for c in "{}: "):
+            raise ValueError(f"--fleet must be a plain name (no braces, colons or spaces), not {self.fleet!r}")
+
+
+def parse_queue_caps(text: str) -> dict[Priority, int]:
+    """'critical=1000,standard=500,sheddable=0' (classes left out keep their defaults)."""
+    caps = dict(DEFAULT_CAPS)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        try:
+            caps[Priority(name.strip())] = int(value)
+        except ValueError:
+            raise ValueError(f"--queue-caps takes class=count pairs such as 'standard=500', not {part!r}") from None
+    return caps

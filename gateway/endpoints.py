@@ -1,0 +1,99 @@
+"""The gateway's view of its engines: last scraped load, its own dispatches since, failures and ejection."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvfleet.gateway.load import EngineLoad
+from kvfleet.gateway.routing import EndpointSnapshot
+
+
+@dataclass
+class EndpointState:
+    url: str
+    load: EngineLoad | None = None
+    scraped_at: float | None = None  # monotonic time of the last successful scrape
+    scrape_error: str | None = None
+    dispatched_since_scrape: int = 0
+    open_requests: int = 0
+    consecutive_failures: int = 0
+    ejected_until: float = 0.0
+
+
+@dataclass
+class EndpointPool:
+    """Mutated only on the event loop; routing reads immutable snapshots of it."""
+
+    eject_after_failures: int = 3
+    eject_seconds: float = 10.0
+    endpoints: dict[str, EndpointState] = field(default_factory=dict)
+
+    def set_urls(self, urls: Iterable[str]) -> tuple[set[str], set[str]]:
+        """Discovery's full set; returns (added, removed). A removed engine leaves the pool at once."""
+        wanted = set(urls)
+        added = wanted - self.endpoints.keys()
+        removed = self.endpoints.keys() - wanted
+        for url in removed:
+            del self.endpoints[url]
+        for url in added:
+            self.endpoints[url] = EndpointState(url)
+        return added, removed
+
+    def urls(self) -> list[str]:
+        return list(self.endpoints)
+
+    def record_scrape(self, url: str, load: EngineLoad | None, error: str | None = None,
+                      now: float | None = None) -> None:
+        state = self.endpoints.get(url)
+        if state is None:
+            return
+        if load is None:
+            state.scrape_error = error
+            return
+        state.load, state.scraped_at, state.scrape_error = load, now or time.monotonic(), None
+        state.dispatched_since_scrape = 0
+
+    def record_dispatch(self, url: str) -> None:
+        state = self.endpoints.get(url)
+        if state is not None:
+            state.dispatched_since_scrape += 1
+            state.open_requests += 1
+
+    def record_done(self, url: str, ok: bool, now: float | None = None) -> bool:
+        """Returns True when this failure ejected the endpoint for its cool-off."""
+        state = self.endpoints.get(url)
+        if state is None:
+            return False
+        state.open_requests = max(0, state.open_requests - 1)
+        return self.record_outcome(url, ok, now)
+
+    def record_outcome(self, url: str, ok: bool, now: float | None = None) -> bool:
+        state = self.endpoints.get(url)
+        if state is None:
+            return False
+        if ok:
+            state.consecutive_failures = 0
+            return False
+        state.consecutive_failures += 1
+        if state.consecutive_failures >= self.eject_after_failures:
+            state.ejected_until = (now or time.monotonic()) + self.eject_seconds
+            state.consecutive_failures = 0
+            return True
+        return False
+
+    def snapshots(self, now: float | None = None) -> list[EndpointSnapshot]:
+        now = now or time.monotonic()
+        out = []
+        for s in self.endpoints.values():
+            healthy = s.load is not None and s.scrape_error is None and now >= s.ejected_until
+            load = s.load
+            out.append(EndpointSnapshot(
+                url=s.url, healthy=healthy,
+                kv_cache_usage=load.kv_cache_usage if load else 1.0,
+                num_waiting=load.num_waiting if load else 0,
+                num_running=load.num_running if load else 0,
+                metrics_age_s=now - s.scraped_at if s.scraped_at is not None else float("inf"),
+                in_flight=s.dispatched_since_scrape))
+        return out

@@ -1,0 +1,284 @@
+"""Where saturated requests wait: the fleet-wide Redis queue, or an in-process one while Redis is unreachable.
+
+Each replica keeps a future per request it holds. Any replica that sees free capacity releases the queue's head;
+a released entry of another replica reaches it on its grants channel. A replica's heartbeat keeps its entries
+alive, so the entries of one that died are dropped, and a periodic reconcile puts back entries Redis lost (a
+restart) and removes this replica's orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvfleet.gateway.local_queue import LocalQueue
+from kvfleet.gateway.priority import Priority, QueueEntry, queue_score
+from kvfleet.gateway.redis_queue import RedisQueue
+
+log = logging.getLogger(__name__)
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class Outcome(StrEnum):
+    GRANTED = "granted"
+    EXPIRED = "expired"
+    DISCONNECTED = "disconnected"
+
+
+def now_ms() -> float:
+    return time.time() * 1000.0
+
+
+class FleetQueue:
+    def __init__(self, redis_url: str | None, fleet: str, gateway_id: str, aging_ms: float,
+                 caps: dict[Priority, int], heartbeat_ms: int = 3000,
+                 on_backend_change: Callable[[bool], None] = lambda using_redis: None):
+        self.fleet, self.gateway_id, self.aging_ms, self.caps = fleet, gateway_id, aging_ms, caps
+        self.heartbeat_ms = heartbeat_ms
+        self.on_backend_change = on_backend_change
+        self.client = Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0) if redis_url else None
+        self.redis = RedisQueue(self.client, fleet, gateway_id) if self.client else None
+        self.using_redis = False
+        self.redis_error: str | None = None if redis_url else "no Redis configured"
+        self.local = LocalQueue()
+        self._waiters: dict[str, asyncio.Future[None]] = {}
+        self._entries: dict[str, QueueEntry] = {}
+        self._counts = {p: 0 for p in Priority}
+        self._missing_once: set[str] = set()
+        self._released_at: deque[float] = deque(maxlen=256)
+        self._tasks: list[asyncio.Task] = []
+        self._seq = 0
+
+    # ---- life cycle -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.redis is not None:
+            await self._try_restore()
+        self._tasks = [asyncio.create_task(self._maintain(), name="queue maintenance"),
+                       asyncio.create_task(self._listen(), name="queue grants")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for entry_id in list(self._waiters):
+            await self._remove(entry_id)
+        if self.client is not None:
+            try:
+                await self.client.delete(f"{self.redis.prefix}gateway:{self.gateway_id}")
+            except REDIS_DOWN:
+                pass
+            await self.client.aclose()
+
+    @property
+    def backend(self) -> str:
+        return "redis" if self.using_redis else "local"
+
+    # ---- what the gateway asks ----------------------------------------------------------------------------
+    def counts(self) -> dict[Priority, int]:
+        """Queued entries by class, fleet-wide as of the last refresh (this replica's alone while degraded)."""
+        return dict(self._counts) if self.using_redis else self.local.counts()
+
+    def total(self) -> int:
+        return sum(self.counts().values())
+
+    async def refresh_counts(self) -> int:
+        if self.using_redis:
+            try:
+                self._counts = await self.redis.counts()
+            except REDIS_DOWN as err:
+                await self._degrade(err)
+        return self.total()
+
+    def drain_rate_per_s(self, window_s: float = 10.0) -> float:
+        cutoff = time.monotonic() - window_s
+        return sum(1 for t in self._released_at if t >= cutoff) / window_s
+
+    async def enqueue(self, priority: Priority, max_wait_ms: float) -> QueueEntry | None:
+        """Queues a request; None when its class is at its cap."""
+        self._seq += 1
+        arrival = now_ms()
+        entry = QueueEntry(id=f"{self.gateway_id}-{self._seq}", priority=priority,
+                           score=queue_score(arrival, priority, self.aging_ms),
+                           deadline_ms=arrival + max_wait_ms, owner=self.gateway_id)
+        # registered first, so a reconcile running meanwhile does not take it for an orphan
+        self._entries[entry.id] = entry
+        self._waiters[entry.id] = asyncio.get_running_loop().create_future()
+        if await self._enqueue(entry, self.caps[priority]):
+            return entry
+        self._entries.pop(entry.id)
+        self._waiters.pop(entry.id)
+        return None
+
+    async def _enqueue(self, entry: QueueEntry, cap: int) -> bool:
+        if self.using_redis:
+            try:
+                if not await self.redis.enqueue(entry, cap):
+                    return False
+                self._counts[entry.priority] += 1
+                return True
+            except REDIS_DOWN as err:
+                await self._degrade(err)
+        return self.local.enqueue(entry, cap)
+
+    async def wait(self, entry: QueueEntry, is_disconnected: Callable[[], Awaitable[bool]]) -> Outcome:
+        """Until the entry is released, its deadline passes, or its client goes away; it leaves the queue then."""
+        granted = self._waiters[entry.id]
+        watcher = asyncio.create_task(_watch_disconnect(is_disconnected))
+        try:
+            timeout = max(0.0, (entry.deadline_ms - now_ms()) / 1000.0)
+            done, _ = await asyncio.wait({granted, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if granted.done():
+                return Outcome.GRANTED
+            outcome = Outcome.DISCONNECTED if watcher in done else Outcome.EXPIRED
+            if not await self._remove(entry.id):  # already popped by a release: its grant is on the way
+                try:
+                    await asyncio.wait_for(asyncio.shield(granted), 1.0)
+                    return Outcome.GRANTED if outcome is Outcome.EXPIRED else outcome
+                except TimeoutError:
+                    pass
+            return outcome
+        finally:
+            watcher.cancel()
+            self._waiters.pop(entry.id, None)
+            self._entries.pop(entry.id, None)
+            self._missing_once.discard(entry.id)
+
+    async def release(self, n: int) -> list[tuple[str, str]]:
+        """Pops up to n heads fleet-wide; this replica's are granted here, others' on their channel."""
+        if n <= 0:
+            return []
+        if self.using_redis:
+            try:
+                released = await self.redis.release(n, now_ms())
+            except REDIS_DOWN as err:
+                await self._degrade(err)
+                return []
+            self._released_at.extend([time.monotonic()] * len(released))
+            for entry_id, owner in released:
+                if owner == self.gateway_id:
+                    self._grant(entry_id)
+            return released
+        out = []
+        for entry in self.local.release(n):
+            self._released_at.append(time.monotonic())
+            self._grant(entry.id)
+            out.append((entry.id, self.gateway_id))
+        return out
+
+    # ---- internals --------------------------------------------------------------------------------------
+    def _grant(self, entry_id: str) -> None:
+        waiter = self._waiters.get(entry_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _remove(self, entry_id: str) -> bool:
+        if self.local.remove(entry_id):
+            return True
+        if not self.using_redis:
+            return False
+        try:
+            return await self.redis.remove(entry_id)
+        except REDIS_DOWN as err:
+            await self._degrade(err)
+            return self.local.remove(entry_id)
+
+    async def _degrade(self, err: BaseException) -> None:
+        """Redis went away: this replica's waiting entries move to the in-process queue, in their order."""
+        if not self.using_redis:
+            return
+        self.using_redis = False
+        self.redis_error = f"Redis unreachable ({type(err).__name__}: {err}); queueing in this process"
+        log.warning("%s", self.redis_error)
+        for entry_id, entry in self._entries.items():
+            if not self._waiters[entry_id].done():
+                self.local.enqueue(entry, cap=None)
+        self.on_backend_change(False)
+
+    async def _try_restore(self) -> None:
+        try:
+            await self.client.ping()
+            await self.redis.heartbeat(self.heartbeat_ms)
+            while len(self.local):
+                for entry in self.local.drain():
+                    await self.redis.enqueue(entry, cap=1 << 30)
+            self._counts = await self.redis.counts()
+        except REDIS_DOWN as err:
+            if self.redis_error is None or not self.redis_error.startswith("Redis unreachable"):
+                self.redis_error = f"Redis unreachable ({type(err).__name__}: {err}); queueing in this process"
+                log.warning("%s", self.redis_error)
+            return
+        was_degraded = self.redis_error is not None
+        self.using_redis, self.redis_error = True, None
+        if was_degraded:
+            log.warning("Redis is reachable again; the fleet queue is back in Redis")
+        self.on_backend_change(True)
+
+    async def _maintain(self) -> None:
+        """Heartbeat every second; every other second, drop dead replicas' entries and put back lost ones."""
+        tick = 0
+        while True:
+            await asyncio.sleep(1.0)
+            tick += 1
+            if self.redis is None:
+                continue
+            if not self.using_redis:
+                await self._try_restore()
+                continue
+            try:
+                await self.redis.heartbeat(self.heartbeat_ms)
+                if tick % 2 == 0:
+                    await self._reconcile()
+            except REDIS_DOWN as err:
+                await self._degrade(err)
+
+    async def _reconcile(self) -> None:
+        live = {i for i, w in self._waiters.items() if not w.done()}
+        await self.redis.sweep(now_ms(), own_live_ids=live)
+        if not live:
+            self._missing_once.clear()
+            return
+        ids = sorted(live)
+        scores = await self.client.zmscore(self.redis.keys[0], ids)
+        missing = {i for i, s in zip(ids, scores, strict=True) if s is None}
+        for entry_id in missing & self._missing_once:  # gone twice in a row: Redis lost it, not a grant in flight
+            if entry_id in self._entries and not self._waiters[entry_id].done():
+                await self.redis.enqueue(self._entries[entry_id], cap=1 << 30)
+        self._missing_once = missing - self._missing_once
+        self._counts = await self.redis.counts()
+
+    async def _listen(self) -> None:
+        """Grants from other replicas; resubscribes after Redis comes back."""
+        while True:
+            if not self.using_redis:
+                await asyncio.sleep(0.2)
+                continue
+            pubsub = self.client.pubsub()
+            try:
+                await pubsub.subscribe(self.redis.grants_channel)
+                while self.using_redis:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message and message.get("type") == "message":
+                        data = message["data"]
+                        self._released_at.append(time.monotonic())
+                        self._grant(data.decode() if isinstance(data, bytes) else data)
+            except REDIS_DOWN as err:
+                await self._degrade(err)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except REDIS_DOWN:
+                    pass
+
+
+async def _watch_disconnect(is_disconnected: Callable[[], Awaitable[bool]], every_s: float = 0.05) -> None:
+    while not await is_disconnected():
+        await asyncio.sleep(every_s)

@@ -1,0 +1,34 @@
+"""The gateway's Prometheus metrics (kvfleet_gateway_*)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kvfleet_gateway_requests", "Requests answered, by class and HTTP status",
+                                ["priority", "code"], registry=r)
+        self.queue_depth = Gauge("kvfleet_gateway_queue_depth", "Requests waiting in the fleet queue, by class",
+                                 ["priority"], registry=r)
+        self.queue_wait = Histogram("kvfleet_gateway_queue_wait_seconds", "Time requests waited in the fleet queue",
+                                    ["priority"], buckets=LATENCY_BUCKETS, registry=r)
+        self.shed = Counter("kvfleet_gateway_shed", "Requests refused without reaching an engine",
+                            ["priority", "reason"], registry=r)
+        self.routed = Counter("kvfleet_gateway_routed", "Requests sent to each engine", ["endpoint"], registry=r)
+        self.upstream_latency = Histogram("kvfleet_gateway_upstream_latency_seconds",
+                                          "Time from sending to an engine to its response headers",
+                                          ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.retries = Counter("kvfleet_gateway_retries", "Requests retried on another engine", ["reason"],
+                               registry=r)
+        self.ejections = Counter("kvfleet_gateway_ejections", "Engines ejected after repeated failures",
+                                 ["endpoint"], registry=r)
+        self.scrape_age = Gauge("kvfleet_gateway_scrape_age_seconds", "Age of each engine's last good scrape",
+                                ["endpoint"], registry=r)
+        self.endpoints = Gauge("kvfleet_gateway_endpoints", "Engines by state", ["state"], registry=r)
+        self.redis_up = Gauge("kvfleet_gateway_redis_up",
+                              "1 while the fleet queue is in Redis, 0 while this replica queues in-process",
+                              registry=r)

@@ -1,0 +1,146 @@
+"""The fleet-wide priority queue in Redis, shared by every gateway replica; each change is one atomic Lua script.
+
+Keys (the fleet name sits in braces, a Redis Cluster hash tag, so one fleet's keys share a slot):
+  kvfleet:{<fleet>}:queue            sorted set: entry id -> score (see priority.py); ZCARD is the fleet's
+                                     queued-request count, which the operator reads
+  kvfleet:{<fleet>}:queue:entries    hash: entry id -> "owner|priority|deadline_ms"
+  kvfleet:{<fleet>}:queue:classes    hash: priority -> entries queued in that class
+  kvfleet:{<fleet>}:gateway:<id>     a replica's heartbeat (expires); entries of a replica without one are dropped
+  kvfleet:{<fleet>}:grants:<id>      pub/sub channel on which other replicas hand a replica its released entries
+"""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from kvfleet.gateway.priority import Priority, QueueEntry
+
+_ENQUEUE = """
+local in_class = tonumber(redis.call('HGET', KEYS[3], ARGV[4]) or '0')
+if in_class >= tonumber(ARGV[5]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
+return 1
+"""
+
+_REMOVE = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+local meta = redis.call('HGET', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if meta then redis.call('HINCRBY', KEYS[3], string.match(meta, '^[^|]*|([^|]*)|'), -1) end
+return 1
+"""
+
+# Pops up to ARGV[1] heads; an entry whose owner has no heartbeat, or whose deadline is long past, is dropped and
+# the next one taken. Entries of other live replicas are handed to them on their grants channel.
+_RELEASE = """
+local released, count = {}, 0
+local want = tonumber(ARGV[1])
+local now, grace = tonumber(ARGV[3]), tonumber(ARGV[4])
+while count < want do
+  local head = redis.call('ZPOPMIN', KEYS[1], 1)
+  if #head == 0 then break end
+  local id = head[1]
+  local meta = redis.call('HGET', KEYS[2], id)
+  redis.call('HDEL', KEYS[2], id)
+  if meta then
+    local owner, prio, deadline = string.match(meta, '^([^|]*)|([^|]*)|(.*)$')
+    redis.call('HINCRBY', KEYS[3], prio, -1)
+    if redis.call('EXISTS', ARGV[2] .. 'gateway:' .. owner) == 1 and tonumber(deadline) + grace > now then
+      if owner ~= ARGV[5] then redis.call('PUBLISH', ARGV[2] .. 'grants:' .. owner, id) end
+      table.insert(released, id)
+      table.insert(released, owner)
+      count = count + 1
+    end
+  end
+end
+return released
+"""
+
+_SWEEP = """
+local removed = 0
+local all = redis.call('HGETALL', KEYS[2])
+local now, grace = tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 1, #all, 2 do
+  local id, meta = all[i], all[i + 1]
+  local owner, prio, deadline = string.match(meta, '^([^|]*)|([^|]*)|(.*)$')
+  local orphan = ARGV[4] ~= '' and owner == ARGV[4] and redis.call('SISMEMBER', KEYS[4], id) == 0
+  if orphan or redis.call('EXISTS', ARGV[1] .. 'gateway:' .. owner) == 0 or tonumber(deadline) + grace < now then
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('HDEL', KEYS[2], id)
+    redis.call('HINCRBY', KEYS[3], prio, -1)
+    removed = removed + 1
+  end
+end
+return removed
+"""
+
+
+def key_prefix(fleet: str) -> str:
+    return f"kvfleet:{{{fleet}}}:"
+
+
+def queue_key(fleet: str) -> str:
+    """The sorted set whose ZCARD is the fleet's queued-request count."""
+    return key_prefix(fleet) + "queue"
+
+
+class RedisQueue:
+    """Queue operations on one fleet's keys; raises redis' ConnectionError/TimeoutError when Redis is away."""
+
+    def __init__(self, client: Redis, fleet: str, gateway_id: str, grace_ms: float = 5000.0):
+        self.client, self.fleet, self.gateway_id, self.grace_ms = client, fleet, gateway_id, grace_ms
+        self.prefix = key_prefix(fleet)
+        self.keys = [self.prefix + "queue", self.prefix + "queue:entries", self.prefix + "queue:classes"]
+        self._enqueue = client.register_script(_ENQUEUE)
+        self._remove = client.register_script(_REMOVE)
+        self._release = client.register_script(_RELEASE)
+        self._sweep = client.register_script(_SWEEP)
+
+    @property
+    def grants_channel(self) -> str:
+        return f"{self.prefix}grants:{self.gateway_id}"
+
+    async def heartbeat(self, ttl_ms: int) -> None:
+        await self.client.set(f"{self.prefix}gateway:{self.gateway_id}", "1", px=ttl_ms)
+
+    async def enqueue(self, entry: QueueEntry, cap: int) -> bool:
+        meta = f"{entry.owner}|{entry.priority.value}|{int(entry.deadline_ms)}"
+        return bool(await self._enqueue(keys=self.keys,
+                                        args=[entry.id, entry.score, meta, entry.priority.value, cap]))
+
+    async def remove(self, entry_id: str) -> bool:
+        return bool(await self._remove(keys=self.keys, args=[entry_id]))
+
+    async def release(self, n: int, now_ms: float) -> list[tuple[str, str]]:
+        """Pops up to n entries in order; returns (id, owner) pairs, other replicas' entries already granted."""
+        flat = await self._release(keys=self.keys, args=[n, self.prefix, now_ms, self.grace_ms, self.gateway_id])
+        flat = [x.decode() if isinstance(x, bytes) else x for x in flat]
+        return list(zip(flat[0::2], flat[1::2], strict=True))
+
+    async def sweep(self, now_ms: float, own_live_ids: set[str] | None = None) -> int:
+        """Drops entries of dead replicas and long-expired ones; with own_live_ids, this replica's orphans too."""
+        live_key = f"{self.prefix}gateway:{self.gateway_id}:live"
+        own = ""
+        if own_live_ids is not None:
+            own = self.gateway_id
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.delete(live_key)
+                if own_live_ids:
+                    pipe.sadd(live_key, *own_live_ids)
+                    pipe.pexpire(live_key, 10_000)
+                await pipe.execute()
+        removed = await self._sweep(keys=[*self.keys, live_key], args=[self.prefix, now_ms, self.grace_ms, own])
+        if own_live_ids is not None:
+            await self.client.delete(live_key)
+        return int(removed)
+
+    async def counts(self) -> dict[Priority, int]:
+        raw = await self.client.hgetall(self.keys[2])
+        counts = {p: 0 for p in Priority}
+        for k, v in raw.items():
+            name = k.decode() if isinstance(k, bytes) else k
+            if name in Priority._value2member_map_:
+                counts[Priority(name)] = max(0, int(v))
+        return counts

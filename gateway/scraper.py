@@ -1,0 +1,67 @@
+"""Scrape every engine's /metrics every 50-100 ms, each engine in its own loop, and hand the load to the pool.
+
+A slow answer leaves the last load in place and lets it age (stale metrics count as saturated); a refused
+connection or a bad answer marks the engine unhealthy until a scrape succeeds again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import httpx
+
+from kvfleet.gateway.endpoints import EndpointPool
+from kvfleet.gateway.load import MetricsParseError, parse_engine_load
+
+log = logging.getLogger(__name__)
+
+
+class Scraper:
+    def __init__(self, client: httpx.AsyncClient, pool: EndpointPool, interval_s: float = 0.075,
+                 timeout_s: float = 1.0, on_scrape: Callable[[str], None] = lambda url: None):
+        self.client, self.pool, self.interval_s, self.timeout_s = client, pool, interval_s, timeout_s
+        self.on_scrape = on_scrape
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def sync(self) -> None:
+        """Start a loop for each new endpoint and stop the loops of those that left."""
+        for url in list(self._tasks):
+            if url not in self.pool.endpoints:
+                self._tasks.pop(url).cancel()
+        for url in self.pool.endpoints:
+            if url not in self._tasks:
+                self._tasks[url] = asyncio.create_task(self._loop(url), name=f"scrape {url}")
+
+    async def stop(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._tasks.clear()
+
+    async def _loop(self, url: str) -> None:
+        while url in self.pool.endpoints:
+            started = time.monotonic()
+            await self.scrape_once(url)
+            self.on_scrape(url)
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    async def scrape_once(self, url: str) -> None:
+        try:
+            response = await self.client.get(f"{url}/metrics", timeout=self.timeout_s)
+            if response.status_code != 200:
+                self._failed(url, f"/metrics answered {response.status_code}")
+                return
+            self.pool.record_scrape(url, parse_engine_load(response.text), now=time.monotonic())
+        except httpx.TimeoutException:
+            pass  # keep the last load; it ages past the staleness limit and the engine counts as saturated
+        except (httpx.HTTPError, MetricsParseError) as err:
+            self._failed(url, str(err) or type(err).__name__)
+
+    def _failed(self, url: str, error: str) -> None:
+        state = self.pool.endpoints.get(url)
+        if state is not None and state.scrape_error is None:
+            log.warning("engine %s is unhealthy: %s", url, error)
+        self.pool.record_scrape(url, None, error)

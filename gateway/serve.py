@@ -1,0 +1,39 @@
+"""Runs the gateway under uvicorn; SIGTERM lets in-flight requests finish (queued ones leave the queue)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from kvfleet.gateway.app import Gateway, build_app
+from kvfleet.gateway.config import GatewayConfig
+
+
+def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30.0) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+    gateway = Gateway(config)
+    _attach_access_control(gateway)
+    server = uvicorn.Server(uvicorn.Config(build_app(gateway), host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=drain_timeout, backlog=4096))
+    source = (f"{len(config.engines)} static engine(s)" if config.engines else
+              f"pods {config.k8s_selector!r} in {config.k8s_namespace}" if config.k8s_selector else "no engines")
+    print(f"kvfleet gateway: http://{host}:{port} -> {source}, fleet {config.fleet!r}, "
+          f"queue {'in Redis' if config.redis_url else 'in-process'}", file=sys.stderr, flush=True)
+    server.run()
+    return 0
+
+
+def _attach_access_control(gateway: Gateway) -> None:
+    c = gateway.config
+    if not (c.api_keys_file or c.api_keys_secret):
+        return
+    from kvfleet.gateway.auth import ApiKeyStore
+
+    if c.api_keys_file:
+        gateway.keys = ApiKeyStore.from_file(c.api_keys_file, default_rpm=c.rpm_per_key, default_tpm=c.tpm_per_key)
+    else:
+        namespace, _, name = c.api_keys_secret.partition("/")
+        gateway.keys = ApiKeyStore.from_secret(namespace, name, default_rpm=c.rpm_per_key,
+                                               default_tpm=c.tpm_per_key)

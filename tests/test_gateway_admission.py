@@ -1,0 +1,217 @@
+"""What the gateway does with a request on arrival, the queue's order, and prefix affinity: pure decisions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvfleet.gateway.admission import Action, admit, retry_after_seconds
+from kvfleet.gateway.config import GatewayConfig, parse_queue_caps
+from kvfleet.gateway.endpoints import EndpointPool
+from kvfleet.gateway.load import EngineLoad
+from kvfleet.gateway.local_queue import LocalQueue
+from kvfleet.gateway.prefix import PrefixAffinity, prompt_text
+from kvfleet.gateway.priority import Priority, QueueEntry, parse_priority, queue_score
+from kvfleet.gateway.routing import EndpointSnapshot, free_slots, pick
+
+C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
+
+
+def test_requests_route_at_once_while_there_is_room_and_nobody_waits() -> None:
+    for p in Priority:
+        assert admit(p, True, 0, 0, 10).action is Action.ROUTE
+
+
+def test_when_others_wait_new_requests_queue_behind_them_even_with_room() -> None:
+    assert admit(S, True, 3, 1, 10).action is Action.QUEUE
+    assert admit(X, True, 3, 0, 10).action is Action.QUEUE
+
+
+def test_sheddable_is_shed_when_the_fleet_is_saturated_others_queue() -> None:
+    verdict = admit(X, False, 0, 0, 10)
+    assert verdict.action is Action.SHED and verdict.reason == "saturated"
+    assert "x-kvfleet-priority" in verdict.message
+    assert admit(C, False, 0, 0, 10).action is Action.QUEUE
+    assert admit(S, False, 0, 0, 10).action is Action.QUEUE
+
+
+def test_a_full_class_is_shed_with_the_cap_in_the_message() -> None:
+    verdict = admit(S, False, 50, 50, 50)
+    assert verdict.action is Action.SHED and verdict.reason == "queue_full" and "50 waiting" in verdict.message
+    assert admit(C, False, 50, 0, 50).action is Action.QUEUE  # another class still has room
+
+
+def test_retry_after_follows_the_drain_rate_within_bounds() -> None:
+    assert retry_after_seconds(100, 10.0) == 10
+    assert retry_after_seconds(0, 10.0) == 1
+    assert retry_after_seconds(10_000, 1.0) == 60
+    assert 1 <= retry_after_seconds(5, 0.0) <= 60
+
+
+@pytest.mark.parametrize("value,expected", [(None, S), ("", S), ("critical", C), (" Sheddable ", X)])
+def test_priority_header(value: str | None, expected: Priority) -> None:
+    assert parse_priority(value) is expected
+
+
+@pytest.mark.parametrize("bad", ["urgent", "0", "high"])
+def test_an_unknown_priority_names_the_valid_ones(bad: str) -> None:
+    with pytest.raises(ValueError, match="critical, standard, sheddable"):
+        parse_priority(bad)
+
+
+def test_strict_priority_within_the_aging_window_fcfs_within_a_class() -> None:
+    aging = 10_000
+    q = LocalQueue()
+    arrivals = [("s1", S, 0), ("x1", X, 10), ("c1", C, 20), ("s2", S, 30), ("c2", C, 40)]
+    for name, p, t in arrivals:
+        q.enqueue(QueueEntry(name, p, queue_score(t, p, aging), 1e12, "gw"), cap=None)
+    assert [e.id for e in q.release(10)] == ["c1", "c2", "s1", "s2", "x1"]
+
+
+def test_a_request_older_than_the_aging_window_overtakes_fresh_higher_classes() -> None:
+    aging = 10_000
+    old_standard = queue_score(0, S, aging)
+    assert old_standard < queue_score(10_001, C, aging)  # waited longer than aging_ms: goes first
+    assert old_standard > queue_score(9_999, C, aging)  # within the window: critical first
+
+
+@given(st.lists(st.tuples(st.sampled_from(list(Priority)), st.integers(0, 10**6)), min_size=1, max_size=60))
+def test_nothing_starves_every_entry_is_released_exactly_once(items: list[tuple[Priority, int]]) -> None:
+    q = LocalQueue()
+    for i, (p, t) in enumerate(items):
+        q.enqueue(QueueEntry(str(i), p, queue_score(t, p, 10_000), 1e12, "gw"), cap=None)
+    out = []
+    while len(q):
+        out += [e.id for e in q.release(3)]
+    assert sorted(out, key=int) == [str(i) for i in range(len(items))]
+
+
+def test_local_queue_caps_and_removal() -> None:
+    q = LocalQueue()
+    assert q.enqueue(QueueEntry("a", S, 1, 1e12, "gw"), cap=1)
+    assert not q.enqueue(QueueEntry("b", S, 2, 1e12, "gw"), cap=1)
+    assert q.enqueue(QueueEntry("c", C, 3, 1e12, "gw"), cap=1)
+    assert q.remove("a") and not q.remove("a")
+    assert q.counts()[S] == 0 and q.counts()[C] == 1
+    assert [e.id for e in q.release(5)] == ["c"]
+
+
+def test_prefix_affinity_matches_the_share_of_leading_blocks_sent_to_an_engine() -> None:
+    affinity = PrefixAffinity(block_chars=16)
+    system = "You are a helpful assistant. " * 4  # 116 chars: 7 full blocks
+    first = affinity.block_hashes(system + "What is 2+2?")
+    affinity.record(first, "http://a")
+    second = affinity.block_hashes(system + "Name a colour, please.")
+    match = affinity.matches(second)
+    assert set(match) == {"http://a"} and 0.5 < match["http://a"] < 1.0
+    assert affinity.matches(affinity.block_hashes("something else entirely, no shared start")) == {}
+    affinity.forget("http://a")
+    assert affinity.matches(second) == {}
+
+
+def test_prefix_hashes_are_chained_so_equal_blocks_at_other_positions_do_not_match() -> None:
+    affinity = PrefixAffinity(block_chars=4)
+    affinity.record(affinity.block_hashes("aaaabbbb"), "http://a")
+    assert affinity.matches(affinity.block_hashes("bbbbaaaa")) == {}
+
+
+def test_prefix_table_is_bounded() -> None:
+    affinity = PrefixAffinity(block_chars=4, capacity=10)
+    for i in range(100):
+        affinity.record(affinity.block_hashes(f"{i:04d}" * 3), "http://a")
+    assert len(affinity._owner) == 10
+
+
+def test_prompt_text_of_chat_and_completion_bodies() -> None:
+    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text",
+                                                                                          "text": "hi"}]}]}
+    assert prompt_text(chat) == "system\nS\nuser\nhi\n"
+    assert prompt_text({"prompt": "abc"}) == "abc"
+    assert prompt_text({"prompt": ["first", "second"]}) == "first"
+    assert prompt_text({"prompt": [1, 2, 3]}) == ""
+    assert prompt_text({"messages": "not a list"}) == ""
+
+
+def ep(url: str, waiting: int = 0, kv: float = 0.1, healthy: bool = True, age: float = 0.05) -> EndpointSnapshot:
+    return EndpointSnapshot(url, healthy, kv, waiting, 0, age)
+
+
+def test_free_slots_counts_room_below_the_queue_limit_on_available_engines() -> None:
+    assert free_slots([ep("a", waiting=0), ep("b", waiting=3), ep("c", waiting=9), ep("d", healthy=False)]) == 7
+    assert free_slots([ep("a", kv=0.95), ep("b", age=1.0)]) == 0
+
+
+def test_a_released_request_goes_to_the_least_loaded_healthy_engine_even_when_all_are_saturated() -> None:
+    endpoints = [ep("a", waiting=9), ep("b", waiting=6), ep("c", healthy=False)]
+    assert pick("kvfleet", endpoints, {}, random.Random(0), 0) is None
+    assert pick("kvfleet", endpoints, {}, random.Random(0), 0, must=True).url == "b"
+    assert pick("kvfleet", endpoints, {}, random.Random(0), 0, exclude=frozenset({"b"}), must=True).url == "a"
+
+
+def test_endpoint_pool_ejects_after_repeated_failures_and_takes_it_back_after_the_cool_off() -> None:
+    pool = EndpointPool(eject_after_failures=3, eject_seconds=10.0)
+    pool.set_urls(["http://a"])
+    pool.record_scrape("http://a", EngineLoad(0.1, 0, 0), now=100.0)
+    assert not pool.record_outcome("http://a", False, now=100.0)
+    assert not pool.record_outcome("http://a", False, now=100.0)
+    assert pool.record_outcome("http://a", False, now=100.0)
+    assert not pool.snapshots(now=105.0)[0].healthy
+    assert pool.snapshots(now=110.01)[0].healthy
+
+
+def test_a_success_resets_the_failure_count() -> None:
+    pool = EndpointPool(eject_after_failures=2)
+    pool.set_urls(["http://a"])
+    pool.record_outcome("http://a", False)
+    pool.record_outcome("http://a", True)
+    assert not pool.record_outcome("http://a", False)
+
+
+def test_dispatches_since_the_last_scrape_count_as_queue_until_the_next_scrape() -> None:
+    pool = EndpointPool()
+    pool.set_urls(["http://a"])
+    pool.record_scrape("http://a", EngineLoad(0.1, 1, 2), now=1.0)
+    for _ in range(3):
+        pool.record_dispatch("http://a")
+    assert pool.snapshots(now=1.01)[0].queue_depth == 4
+    pool.record_scrape("http://a", EngineLoad(0.1, 1, 5), now=1.1)
+    assert pool.snapshots(now=1.11)[0].queue_depth == 1
+
+
+def test_engines_that_leave_discovery_leave_the_pool() -> None:
+    pool = EndpointPool()
+    assert pool.set_urls(["http://a", "http://b"]) == ({"http://a", "http://b"}, set())
+    assert pool.set_urls(["http://b", "http://c"]) == ({"http://c"}, {"http://a"})
+    assert sorted(pool.urls()) == ["http://b", "http://c"]
+
+
+def test_a_never_scraped_engine_is_not_routed_to() -> None:
+    pool = EndpointPool()
+    pool.set_urls(["http://a"])
+    assert not pool.snapshots()[0].healthy
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"engines": ["http://a:1"], "k8s_selector": "x", "k8s_namespace": "n"}, "not both"),
+    ({"k8s_selector": "app=x"}, "--k8s-namespace"),
+    ({"routing": "random"}, "kvfleet, least-request, round-robin"),
+    ({"scrape_interval_s": 0.001}, "--scrape-interval"),
+    ({"default_max_queue_ms": -1}, "--max-queue-ms"),
+    ({"fleet": "a:b"}, "--fleet"),
+    ({"fleet": "{x}"}, "--fleet"),
+    ({"aging_ms": 0}, "--aging-ms"),
+])
+def test_bad_gateway_settings_say_what_to_change(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GatewayConfig(**kwargs)
+
+
+def test_queue_caps_parsing() -> None:
+    caps = parse_queue_caps("standard=5, sheddable=0")
+    assert caps[S] == 5 and caps[X] == 0 and caps[C] == 1000
+    for bad in ("standard", "urgent=3", "standard=many"):
+        with pytest.raises(ValueError, match="class=count"):
+            parse_queue_caps(bad)

@@ -1,0 +1,271 @@
+"""The fleet-wide priority queue on a real Redis server shared by two gateway replicas (two FleetQueue objects),
+and its in-process fallback while Redis is away. No engines: capacity is whatever the test releases."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from kvfleet.gateway.fleet_queue import FleetQueue, Outcome
+from kvfleet.gateway.priority import Priority
+from kvfleet.gateway.redis_queue import queue_key
+
+C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
+CAPS = {C: 100, S: 100, X: 100}
+
+
+def replica(url: str | None, name: str, fleet: str = "f", caps: dict | None = None, heartbeat_ms: int = 3000,
+            aging_ms: float = 10_000.0) -> FleetQueue:
+    return FleetQueue(url, fleet, name, aging_ms, caps or CAPS, heartbeat_ms=heartbeat_ms)
+
+
+async def never_disconnects() -> bool:
+    return False
+
+
+async def wait_all(queue: FleetQueue, entries, order: list[str]) -> list[Outcome]:
+    async def one(entry):
+        outcome = await queue.wait(entry, never_disconnects)
+        order.append(entry.id)
+        return outcome
+    return await asyncio.gather(*(one(e) for e in entries))
+
+
+def test_strict_priority_and_fcfs_across_two_replicas_sharing_one_redis(redis_server) -> None:
+    async def scenario() -> None:
+        a, b = replica(redis_server.url, "a"), replica(redis_server.url, "b")
+        await a.start()
+        await b.start()
+        try:
+            plan = [(a, S), (b, S), (a, C), (b, X), (a, S), (b, C), (a, C)]
+            entries = []
+            for q, p in plan:
+                entries.append((q, await q.enqueue(p, 30_000)))
+                await asyncio.sleep(0.002)  # distinct arrival times
+            assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 7  # the operator's key
+            await a.refresh_counts()
+            assert a.counts() == {C: 3, S: 3, X: 1}
+            order: list[str] = []
+            waiters = asyncio.gather(wait_all(a, [e for q, e in entries if q is a], order),
+                                     wait_all(b, [e for q, e in entries if q is b], order))
+            for i in range(7):  # capacity for one at a time, seen alternately by either replica
+                await (a if i % 2 else b).release(1)
+                for _ in range(100):
+                    if len(order) == i + 1:
+                        break
+                    await asyncio.sleep(0.01)
+            outcomes = await waiters
+            assert all(o is Outcome.GRANTED for group in outcomes for o in group)
+            expected = [e.id for _, e in sorted(entries, key=lambda qe: qe[1].score)]
+            assert order == expected
+            assert [e.priority for _, e in sorted(entries, key=lambda qe: qe[1].score)] == [C, C, C, S, S, S, X]
+            assert await a.refresh_counts() == 0
+        finally:
+            await a.stop()
+            await b.stop()
+    asyncio.run(scenario())
+
+
+def test_a_long_waiting_request_overtakes_fresh_critical_ones_after_the_aging_window(redis_server) -> None:
+    async def scenario() -> None:
+        q = replica(redis_server.url, "a", aging_ms=200)
+        await q.start()
+        try:
+            old = await q.enqueue(S, 30_000)
+            await asyncio.sleep(0.3)
+            fresh = await q.enqueue(C, 30_000)
+            order: list[str] = []
+            task = asyncio.ensure_future(wait_all(q, [old, fresh], order))
+            await q.release(1)
+            await asyncio.sleep(0.05)
+            assert order == [old.id]
+            await q.release(1)
+            await task
+            assert order == [old.id, fresh.id]
+        finally:
+            await q.stop()
+    asyncio.run(scenario())
+
+
+def test_the_deadline_ends_the_wait_and_removes_the_entry(redis_server) -> None:
+    async def scenario() -> None:
+        q = replica(redis_server.url, "a")
+        await q.start()
+        try:
+            entry = await q.enqueue(S, 150)
+            outcome = await q.wait(entry, never_disconnects)
+            assert outcome is Outcome.EXPIRED
+            assert await q.refresh_counts() == 0
+            assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 0
+        finally:
+            await q.stop()
+    asyncio.run(scenario())
+
+
+def test_a_client_that_disconnects_leaves_the_queue_at_once(redis_server) -> None:
+    async def scenario() -> None:
+        q = replica(redis_server.url, "a")
+        await q.start()
+        gone = asyncio.Event()
+
+        async def is_disconnected() -> bool:
+            return gone.is_set()
+        try:
+            entry = await q.enqueue(C, 30_000)
+            task = asyncio.ensure_future(q.wait(entry, is_disconnected))
+            await asyncio.sleep(0.1)
+            assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 1
+            gone.set()
+            assert await asyncio.wait_for(task, 2.0) is Outcome.DISCONNECTED
+            assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 0
+        finally:
+            await q.stop()
+    asyncio.run(scenario())
+
+
+def test_per_class_caps_are_fleet_wide(redis_server) -> None:
+    async def scenario() -> None:
+        caps = {C: 5, S: 2, X: 0}
+        a, b = replica(redis_server.url, "a", caps=caps), replica(redis_server.url, "b", caps=caps)
+        await a.start()
+        await b.start()
+        try:
+            assert await a.enqueue(S, 30_000) is not None
+            assert await b.enqueue(S, 30_000) is not None
+            assert await a.enqueue(S, 30_000) is None  # the fleet's standard queue is full
+            assert await b.enqueue(X, 30_000) is None
+            assert await b.enqueue(C, 30_000) is not None
+        finally:
+            await a.stop()
+            await b.stop()
+    asyncio.run(scenario())
+
+
+def test_entries_of_a_replica_that_died_expire_and_do_not_block_the_queue(redis_server) -> None:
+    async def scenario() -> None:
+        dead = replica(redis_server.url, "dead", heartbeat_ms=300)
+        live = replica(redis_server.url, "live")
+        await dead.start()
+        await live.start()
+        try:
+            for _ in range(3):
+                await dead.enqueue(C, 60_000)
+            for task in dead._tasks:  # the replica's process dies: no more heartbeats, nothing cleaned up
+                task.cancel()
+            survivor = await live.enqueue(S, 60_000)
+            await asyncio.sleep(0.4)  # its heartbeat key expired
+            order: list[str] = []
+            waiting = asyncio.ensure_future(wait_all(live, [survivor], order))
+            released = await live.release(1)  # the dead replica's critical entries are dropped on the way
+            assert [owner for _, owner in released] == ["live"]
+            await waiting
+            assert order == [survivor.id]
+            assert await live.refresh_counts() == 0
+        finally:
+            await live.stop()
+            if dead.client is not None:
+                await dead.client.aclose()
+    asyncio.run(scenario())
+
+
+def test_a_periodic_sweep_drops_a_dead_replicas_entries_even_without_capacity(redis_server) -> None:
+    async def scenario() -> None:
+        dead = replica(redis_server.url, "dead", heartbeat_ms=300)
+        live = replica(redis_server.url, "live")
+        await dead.start()
+        await live.start()
+        try:
+            await dead.enqueue(S, 60_000)
+            for task in dead._tasks:
+                task.cancel()
+            await asyncio.sleep(2.5)  # the live replica sweeps every other second
+            assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 0
+        finally:
+            await live.stop()
+            await dead.client.aclose()
+    asyncio.run(scenario())
+
+
+def test_when_redis_dies_the_replica_queues_in_process_and_moves_back_when_it_returns(redis_server) -> None:
+    async def scenario() -> None:
+        q = replica(redis_server.url, "a")
+        await q.start()
+        try:
+            assert q.backend == "redis"
+            first = await q.enqueue(S, 60_000)
+            redis_server.stop()
+            second = await q.enqueue(C, 60_000)  # Redis is gone: this fails over, keeping both entries
+            assert q.backend == "local" and "Redis unreachable" in q.redis_error
+            assert q.counts() == {C: 1, S: 1, X: 0}
+            order: list[str] = []
+            task = asyncio.ensure_future(wait_all(q, [first, second], order))
+            await q.release(1)
+            await asyncio.sleep(0.05)
+            assert order == [second.id]  # same policy in-process: critical first
+            third = await q.enqueue(S, 60_000)
+            redis_server.start()  # back, empty (no persistence)
+            for _ in range(50):
+                if q.backend == "redis":
+                    break
+                await asyncio.sleep(0.1)
+            assert q.backend == "redis" and q.redis_error is None
+            assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 2  # handed back to Redis
+            task2 = asyncio.ensure_future(wait_all(q, [third], order))
+            await q.release(2)
+            await asyncio.wait_for(asyncio.gather(task, task2), 2.0)
+            assert order == [second.id, first.id, third.id]
+        finally:
+            await q.stop()
+    asyncio.run(scenario())
+
+
+def test_entries_redis_lost_in_a_quick_restart_are_put_back(redis_server) -> None:
+    async def scenario() -> None:
+        q = replica(redis_server.url, "a")
+        await q.start()
+        try:
+            entry = await q.enqueue(S, 60_000)
+            redis.Redis.from_url(redis_server.url).flushall()  # as if Redis restarted between two calls
+            for _ in range(60):
+                if redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 1
+            order: list[str] = []
+            task = asyncio.ensure_future(wait_all(q, [entry], order))
+            await q.release(1)
+            await asyncio.wait_for(task, 2.0)
+            assert order == [entry.id]
+        finally:
+            await q.stop()
+    asyncio.run(scenario())
+
+
+def test_without_redis_the_queue_is_in_process() -> None:
+    async def scenario() -> None:
+        q = replica(None, "solo")
+        await q.start()
+        try:
+            assert q.backend == "local"
+            e = await q.enqueue(S, 60_000)
+            task = asyncio.ensure_future(q.wait(e, never_disconnects))
+            await q.release(1)
+            assert await asyncio.wait_for(task, 1.0) is Outcome.GRANTED
+        finally:
+            await q.stop()
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0"])
+def test_a_gateway_started_without_reachable_redis_serves_from_the_in_process_queue(url: str) -> None:
+    async def scenario() -> None:
+        q = replica(url, "a")
+        await q.start()
+        try:
+            assert q.backend == "local" and "Redis unreachable" in q.redis_error
+            assert await q.enqueue(S, 1000) is not None
+        finally:
+            await q.stop()
+    asyncio.run(scenario())
