@@ -67,6 +67,10 @@ class Gateway:
                                 on_backend_change=lambda up: self.metrics.redis_up.set(1 if up else 0))
         await self.queue.start()
         self.metrics.redis_up.set(1 if self.queue.using_redis else 0)
+        if self.keys is not None and self.limiter is None:
+            from kvfleet.gateway.rate_limit import InProcessRateLimiter, RateLimiter
+
+            self.limiter = RateLimiter(self.queue.client, c.fleet) if self.queue.client else InProcessRateLimiter()
         self.forwarder = Forwarder(c, self.client, self.pool, self.prefix, self.metrics)
         self.scraper = Scraper(self.client, self.pool, c.scrape_interval_s, on_scrape=lambda url: self.poke())
         self.discovery = self.discovery or _discovery(c)

@@ -23,6 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvfleet.gateway.auth import KeyInfo
+from kvfleet.gateway.redis_queue import key_prefix
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class RateLimiter:
         self._admit_script = redis_client.register_script(ADMIT_SCRIPT)
 
     def redis_key(self, key: KeyInfo) -> str:
-        return f"kvfleet:{self.fleet}:ratelimit:{key.key_id}"
+        return f"{key_prefix(self.fleet)}ratelimit:{key.key_id}"
 
     async def admit(self, key: KeyInfo, now: float | None = None) -> Verdict:
         """Whether this request may go on now; an allowed request is counted against the key's rpm."""
@@ -230,3 +231,21 @@ def _or_minus_one(limit: int | None) -> int:
 
 def _pairs(flat: list) -> dict[int, int]:
     return {int(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+class InProcessRateLimiter:
+    """The same limits for a gateway run without Redis (one replica)."""
+
+    degraded = False
+
+    def __init__(self) -> None:
+        self.local = LocalRateLimiter()
+
+    async def admit(self, key: KeyInfo, now: float | None = None) -> Verdict:
+        if key.rpm is None and key.tpm is None:
+            return Verdict(allowed=True)
+        return self.local.admit(key, time.time() if now is None else now)
+
+    async def record_tokens(self, key: KeyInfo, n: int, now: float | None = None) -> None:
+        if key.tpm is not None and n > 0:
+            self.local.record_tokens(key, n, time.time() if now is None else now)

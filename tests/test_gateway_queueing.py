@@ -1,0 +1,160 @@
+"""Saturation, the fleet queue and shedding, end to end: one real engine that runs one sequence at a time, two
+real gateway replicas sharing one real Redis, and clients over HTTP. The engine is held saturated by two long
+requests sent to it directly (one running, one waiting: the gateways' --saturation-queue is 1)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+
+from kvfleet.gateway.redis_queue import queue_key
+from tests.conftest import start_engine_server, start_gateway, stop_process
+from tests.test_gateway_live_routing import hold_stream, waiting
+from tests.test_gateway_proxy import wait_until_routable
+
+FLEET = "queueing"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "1", "--max-model-len", "1024",
+                                    "--kv-cache-memory", "32MiB")
+    yield url
+    stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def model(engine: str) -> str:
+    return httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def gateways(engine: str, redis_server_module):
+    started = [start_gateway("--engine", engine, "--redis-url", redis_server_module.url, "--fleet", FLEET,
+                             "--saturation-queue", "1", "--queue-caps", "standard=4") for _ in range(2)]
+    for _, url in started:
+        wait_until_routable(url)
+    yield [url for _, url in started]
+    for proc, _ in started:
+        stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def queued(redis_server_module):
+    client = redis.Redis.from_url(redis_server_module.url)
+    return lambda: client.zcard(queue_key(FLEET))  # the documented key the operator reads
+
+
+@contextlib.contextmanager
+def saturated(engine: str, model: str) -> Iterator[None]:
+    stop = threading.Event()
+    holders = [threading.Thread(target=hold_stream, args=(engine, model, stop)) for _ in range(2)]
+    for t in holders:
+        t.start()
+        time.sleep(0.05)
+    try:
+        until(lambda: waiting(engine) == 1, "the engine never had one request waiting")
+        time.sleep(0.25)  # both gateways have scraped it
+        yield
+    finally:
+        stop.set()
+        for t in holders:
+            t.join()
+
+
+def until(condition, message: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(message)
+        time.sleep(0.02)
+
+
+def send(gateway: str, model: str, priority: str, results: dict, name: str, max_tokens: int = 8,
+         timeout: float = 120, **headers: str) -> None:
+    try:
+        r = httpx.post(f"{gateway}/v1/completions", json={"model": model, "prompt": name, "max_tokens": max_tokens,
+                                                           "ignore_eos": True},
+                       headers={"x-kvfleet-priority": priority, **headers}, timeout=timeout)
+        results[name] = (r, time.monotonic())
+    except httpx.TimeoutException as err:
+        results[name] = (err, time.monotonic())
+
+
+def test_critical_before_standard_across_replicas_sheddable_shed_nobody_lost(engine, model, gateways,
+                                                                             queued) -> None:
+    a, b = gateways
+    results: dict = {}
+    plan = [("s1", a, "standard"), ("s2", b, "standard"), ("c1", b, "critical"), ("c2", a, "critical")]
+    threads = []
+    with saturated(engine, model):
+        for name, gw, priority in plan:
+            threads.append(threading.Thread(target=send, args=(gw, model, priority, results, name)))
+            threads[-1].start()
+            time.sleep(0.05)
+        until(lambda: queued() == 4, "the four requests never all sat in the fleet queue")
+        shed = httpx.post(f"{a}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2},
+                          headers={"x-kvfleet-priority": "sheddable"}, timeout=30)
+        assert shed.status_code == 429 and int(shed.headers["retry-after"]) >= 1
+        assert shed.json()["error"]["code"] == "shed_saturated"
+        depth = httpx.get(f"{b}/metrics").text
+        assert 'kvfleet_gateway_queue_depth{priority="standard"} 2.0' in depth
+    for t in threads:
+        t.join()
+    assert {name: r.status_code for name, (r, _) in results.items()} == {n: 200 for n, _, _ in plan}
+    finished = sorted(results, key=lambda n: results[n][1])
+    assert set(finished[:2]) == {"c1", "c2"} and set(finished[2:]) == {"s1", "s2"}, finished
+    assert queued() == 0
+
+
+def test_the_queue_deadline_answers_503_with_retry_after(engine, model, gateways, queued) -> None:
+    results: dict = {}
+    with saturated(engine, model):
+        started = time.monotonic()
+        send(gateways[0], model, "standard", results, "late", **{"x-kvfleet-max-queue-ms": "300"})
+        waited = time.monotonic() - started
+        r = results["late"][0]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+        assert "x-kvfleet-max-queue-ms" in r.json()["error"]["message"] and int(r.headers["retry-after"]) >= 1
+        assert 0.3 <= waited < 5
+        assert queued() == 0
+
+
+def test_a_client_that_gives_up_leaves_the_queue_at_once(engine, model, gateways, queued) -> None:
+    results: dict = {}
+    with saturated(engine, model):
+        t = threading.Thread(target=send, args=(gateways[1], model, "critical", results, "impatient"),
+                             kwargs={"timeout": 1.0})
+        t.start()
+        until(lambda: queued() == 1, "the request never queued")
+        t.join()
+        assert isinstance(results["impatient"][0], httpx.TimeoutException)
+        until(lambda: queued() == 0, "the abandoned request stayed in the queue", timeout=1.0)
+        metrics = httpx.get(f"{gateways[1]}/metrics").text
+        assert 'kvfleet_gateway_shed_total{priority="critical",reason="disconnected"} 1.0' in metrics
+
+
+def test_a_full_class_queue_answers_429_and_other_classes_still_queue(engine, model, gateways, queued) -> None:
+    results: dict = {}
+    threads = [threading.Thread(target=send, args=(gateways[i % 2], model, "standard", results, f"s{i}"))
+               for i in range(4)]
+    with saturated(engine, model):
+        for t in threads:
+            t.start()
+        until(lambda: queued() == 4, "four standard requests never queued")
+        send(gateways[0], model, "standard", results, "fifth")
+        r = results["fifth"][0]
+        assert r.status_code == 429 and r.json()["error"]["code"] == "shed_queue_full"
+        assert "4 waiting" in r.json()["error"]["message"]
+        critical = threading.Thread(target=send, args=(gateways[1], model, "critical", results, "vip"))
+        critical.start()
+        until(lambda: queued() == 5, "a critical request could not queue beside a full standard class")
+    for t in [*threads, critical]:
+        t.join()
+    assert all(results[n][0].status_code == 200 for n in ["s0", "s1", "s2", "s3", "vip"])
