@@ -88,6 +88,66 @@ def _add_gateway_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_gateway)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from kvfleet.bench_report import format_summary, summarize, write_chart, write_report
+    from kvfleet.loadgen import LoadSpec, TargetUnreachable, parse_priority_mix, run_load
+
+    if args.replot:
+        if not Path(args.replot).is_file():
+            raise ValueError(f"--replot: no such file {args.replot}")
+        chart = write_chart(Path(args.replot))
+        if chart:
+            print(f"wrote {chart}")
+        return 0
+    if not args.url:
+        raise ValueError("bench needs --url, the gateway's or engine's base URL (e.g. http://127.0.0.1:8000)")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the summary
+    spec = LoadSpec(url=args.url, num_requests=args.num_requests, rate=args.rate,
+                    priority_mix=parse_priority_mix(args.priority_mix), max_tokens=args.max_tokens,
+                    prompt_words=args.prompt_words, shared_prefix=args.shared_prefix, endpoint=args.endpoint,
+                    model=args.model, max_queue_ms=args.max_queue_ms, api_key=args.api_key, timeout=args.timeout,
+                    seed=args.seed, ignore_eos=args.ignore_eos)
+    try:
+        records = asyncio.run(run_load(spec, progress=not args.quiet))
+    except TargetUnreachable as exc:
+        print(f"kvfleet bench: {exc}", file=sys.stderr)
+        return 1
+    summary = summarize(records)
+    print(format_summary(summary))
+    report = write_report(spec, records, summary, Path(args.out))
+    chart = write_chart(report)
+    print(f"wrote {report}" + (f" and {chart}" if chart else ""))
+    return 0
+
+
+def _add_bench_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="drive a running gateway or engine with streaming requests; report latencies")
+    p.add_argument("--url", default=None, help="the gateway's or engine's base URL (required unless --replot)")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals; inf or 0 sends them all at once (default)")
+    p.add_argument("--priority-mix", default="standard",
+                   help="weights per class, e.g. critical=0.2,standard=0.5,sheddable=0.3 (default: standard)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=64, help="words per synthetic prompt")
+    p.add_argument("--shared-prefix", type=float, default=0.0,
+                   help="fraction of each prompt shared by all of them, to exercise prefix caching")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    p.add_argument("--model", default=None, help="default: the first model GET /v1/models lists")
+    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens tokens (vLLM's extra)")
+    p.add_argument("--max-queue-ms", type=int, default=None, help="sent as x-kvfleet-max-queue-ms")
+    p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer (never written to the report)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take in all")
+    p.add_argument("--seed", type=int, default=0, help="seeds arrivals, classes and prompts")
+    p.add_argument("--out", default="bench/results", help="folder for bench-<timestamp>.json and .png")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the chart of an earlier report")
+    p.set_defaults(func=_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfleet", description="LLM serving with batching at two levels")
     parser.add_argument("--version", action="version", version=f"kvfleet {__version__}")
@@ -99,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway_command(sub)
     _add_generation_command(sub, "chat", "answer one chat message with the engine (streams to stdout)")
     _add_generation_command(sub, "generate", "complete one plain prompt with the engine")
+    _add_bench_command(sub)
     return parser
 
 
