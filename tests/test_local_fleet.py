@@ -1,0 +1,83 @@
+"""`kvfleet up`: a real embedded Redis, real engine processes and a real gateway, started and stopped as a user
+would (a subprocess, then SIGTERM or Ctrl-C). Bad inputs tried: --engines 0, a --port already in use."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.conftest import free_port
+from tests.test_gateway_proxy import wait_until_routable
+
+
+def start_up(model_dir, port: int, engines: int = 2) -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", "up", "--engines", str(engines), "--model",
+                             str(model_dir), "--port", str(port), "--max-model-len", "256", "--kv-cache-memory",
+                             "8MiB"], stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            raise AssertionError(f"kvfleet up exited with {proc.wait()}: {''.join(lines)}")
+        lines.append(line)
+        if "Ctrl-C stops everything" in line:
+            return proc, lines
+    proc.kill()
+    raise AssertionError("kvfleet up did not come up: " + "".join(lines))
+
+
+def listening(url: str) -> bool:
+    host, port = url.removeprefix("http://").removeprefix("redis://").split("/")[0].split(":")
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, int(port))) == 0
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_up_serves_through_the_gateway_and_stops_everything_on_a_signal(tiny_model_dir, stop_signal) -> None:
+    port = free_port()
+    proc, lines = start_up(tiny_model_dir, port)
+    out = "".join(lines)
+    engines = re.findall(r"engine-\d ready at (http://\S+)", out)
+    redis_url = re.search(r"Redis (redis://\S+),", out).group(1)
+    gateway = f"http://127.0.0.1:{port}"
+    try:
+        assert len(engines) == 2 and f"fleet is up: {gateway}" in out
+        wait_until_routable(gateway, 2)
+        client = OpenAI(base_url=f"{gateway}/v1", api_key="x", max_retries=0, timeout=60)
+        served = set()
+        for i in range(6):
+            raw = client.chat.completions.with_raw_response.create(
+                model=str(tiny_model_dir), messages=[{"role": "user", "content": f"question {i} " * 20}],
+                max_tokens=4)
+            assert raw.parse().choices[0].message.content is not None
+            served.add(raw.headers["x-kvfleet-engine"])
+        assert served <= set(engines) and served
+        assert httpx.get(f"{gateway}/ready").json()["queue"] == "redis"
+    finally:
+        proc.send_signal(stop_signal)
+        code = proc.wait(timeout=60)
+    assert code == 0
+    assert not any(listening(u) for u in [gateway, *engines, redis_url])  # nothing left running
+
+
+def test_up_refuses_bad_settings_with_a_message(tiny_model_dir) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvfleet.cli", "up", "--engines", "0"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--engines must be between 1 and 64" in r.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "kvfleet.cli", "up", "--model", str(tiny_model_dir), "--port",
+                            str(port)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"port {port}" in r.stderr and "--port" in r.stderr
