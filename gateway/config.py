@@ -39,6 +39,9 @@ class GatewayConfig:
     tpm_per_key: int | None = None
 
     def __post_init__(self) -> None:
+        from kvfleet.gateway.discovery import normalize_engine_url
+
+        self.engines = [normalize_engine_url(url) for url in self.engines]
         if self.engines and self.k8s_selector:
             raise ValueError("use either --engine (static) or --k8s-selector (Kubernetes discovery), not both")
         if self.k8s_selector and not self.k8s_namespace:

@@ -203,6 +203,7 @@ def test_a_never_scraped_engine_is_not_routed_to() -> None:
     ({"fleet": "a:b"}, "--fleet"),
     ({"fleet": "{x}"}, "--fleet"),
     ({"aging_ms": 0}, "--aging-ms"),
+    ({"engines": ["localhost:8000"]}, "must start with http://"),
 ])
 def test_bad_gateway_settings_say_what_to_change(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -215,3 +216,10 @@ def test_queue_caps_parsing() -> None:
     for bad in ("standard", "urgent=3", "standard=many"):
         with pytest.raises(ValueError, match="class=count"):
             parse_queue_caps(bad)
+
+
+def test_the_gateway_command_refuses_a_bad_engine_url_with_exit_2(capsys) -> None:
+    from kvfleet.cli import main
+
+    assert main(["gateway", "--engine", "http://10.0.0.5"]) == 2
+    assert "has no port" in capsys.readouterr().err
