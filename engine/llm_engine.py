@@ -46,6 +46,7 @@ class EngineStats:
     generation_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    max_num_seqs: int = 0
 
 
 class LLMEngine:
@@ -237,7 +238,7 @@ class LLMEngine:
             kv_cache_usage=bm.usage, kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, prefix_cache_queries=bm.prefix_queries,
-            prefix_cache_hits=bm.prefix_hits,
+            prefix_cache_hits=bm.prefix_hits, max_num_seqs=self.config.max_num_seqs,
         )
 
     # --- offline use --------------------------------------------------------------------------

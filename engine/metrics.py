@@ -34,6 +34,8 @@ class _StatsCollector(Collector):
                                              stats.kv_blocks_free),
             "kvfleet_num_requests_running": ("requests in the running batch", stats.num_running),
             "kvfleet_num_requests_waiting": ("requests waiting to be admitted", stats.num_waiting),
+            "kvfleet_max_num_seqs": ("the most requests the engine runs at once (--max-num-seqs)",
+                                     stats.max_num_seqs),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

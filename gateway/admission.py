@@ -26,7 +26,7 @@ def admit(priority: Priority, fleet_has_capacity: bool, queued_total: int, queue
     """Route while there is room and nobody waits; otherwise queue, except sheddable traffic and full classes."""
     if fleet_has_capacity and queued_total == 0:
         return Verdict(Action.ROUTE)
-    if priority is Priority.SHEDDABLE and not fleet_has_capacity:
+    if priority is Priority.SHEDDABLE:  # others waiting means the fleet is saturated too: sheddable never waits
         return Verdict(Action.SHED, "saturated", "every engine is saturated and sheddable requests are not queued; "
                                                  "retry later or send a higher x-kvfleet-priority")
     if queued_in_class >= class_cap:

@@ -35,6 +35,8 @@ from kvfleet.gateway.scraper import Scraper
 
 log = logging.getLogger("kvfleet.gateway")
 
+ENGINE_PRIORITY = {Priority.CRITICAL: -1, Priority.STANDARD: 0, Priority.SHEDDABLE: 1}  # vLLM: lower runs first
+
 
 @dataclass
 class Gateway:
@@ -62,7 +64,7 @@ class Gateway:
         c = self.config
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=c.upstream_connect_timeout_s),
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512))
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512, keepalive_expiry=30.0))
         self.queue = FleetQueue(c.redis_url, c.fleet, c.gateway_id, c.aging_ms, c.queue_caps,
                                 on_backend_change=lambda up: self.metrics.redis_up.set(1 if up else 0))
         await self.queue.start()
@@ -150,6 +152,9 @@ class Gateway:
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
         hashes = self.prefix.block_hashes(prompt_text(body)) if self.config.routing == "kvfleet" else []
+        if self.config.forward_priority and priority is not Priority.STANDARD and "priority" not in body:
+            body["priority"] = ENGINE_PRIORITY[priority]  # the engine admits and preempts by it too
+            raw = json.dumps(body).encode()
 
         has_capacity = bool(available(self.pool.snapshots(), self.config.saturation))
         counts = self.queue.counts()

@@ -39,6 +39,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--max-metrics-age-ms", type=float, default=200.0,
                    help="an engine whose metrics are older than this counts as saturated")
     r.add_argument("--scrape-interval-ms", type=float, default=75.0)
+    r.add_argument("--forward-priority", action=argparse.BooleanOptionalAction, default=True,
+                   help="set the request body's vLLM `priority` from the class (critical -1, sheddable 1) so engines "
+                        "run critical work first; turn off for vLLM pods without --scheduling-policy priority")
     r.add_argument("--eject-after-failures", type=int, default=3)
     r.add_argument("--eject-seconds", type=float, default=10.0)
     a = p.add_argument_group("access control")
@@ -60,5 +63,6 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         scrape_interval_s=args.scrape_interval_ms / 1000.0, default_max_queue_ms=args.max_queue_ms,
         aging_ms=args.aging_ms, queue_caps=parse_queue_caps(args.queue_caps),
         eject_after_failures=args.eject_after_failures, eject_seconds=args.eject_seconds,
-        max_body_bytes=args.max_body_bytes, api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,
+        max_body_bytes=args.max_body_bytes, forward_priority=args.forward_priority,
+        api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,
         rpm_per_key=args.rpm_per_key, tpm_per_key=args.tpm_per_key)

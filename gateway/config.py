@@ -33,6 +33,7 @@ class GatewayConfig:
     eject_seconds: float = 10.0
     upstream_connect_timeout_s: float = 2.0
     max_body_bytes: int = 8 * 1024 * 1024
+    forward_priority: bool = True  # set the body's `priority` (vLLM semantics) from the class
     api_keys_file: str | None = None
     api_keys_secret: str | None = None  # namespace/name of a Kubernetes Secret
     rpm_per_key: int | None = None

@@ -95,5 +95,5 @@ class EndpointPool:
                 num_waiting=load.num_waiting if load else 0,
                 num_running=load.num_running if load else 0,
                 metrics_age_s=now - s.scraped_at if s.scraped_at is not None else float("inf"),
-                in_flight=s.dispatched_since_scrape))
+                in_flight=s.dispatched_since_scrape, max_num_seqs=load.max_num_seqs if load else None))
         return out

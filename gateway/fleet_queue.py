@@ -205,17 +205,28 @@ class FleetQueue:
 
     async def _try_restore(self) -> None:
         try:
-            await self.client.ping()
-            await self.redis.heartbeat(self.heartbeat_ms)
-            while len(self.local):
-                for entry in self.local.drain():
-                    await self.redis.enqueue(entry, cap=1 << 30)
-            self._counts = await self.redis.counts()
+            await self._restore()
         except REDIS_DOWN as err:
             if self.redis_error is None or not self.redis_error.startswith("Redis unreachable"):
                 self.redis_error = f"Redis unreachable ({type(err).__name__}: {err}); queueing in this process"
                 log.warning("%s", self.redis_error)
-            return
+        except Exception as err:
+            log.warning("Redis answered but the queue could not move back yet: %s: %s", type(err).__name__, err)
+
+    async def _restore(self) -> None:
+        await self.client.ping()
+        await self.redis.heartbeat(self.heartbeat_ms)
+        while len(self.local):
+            pending = self.local.drain()
+            try:
+                while pending:
+                    await self.redis.enqueue(pending[0], cap=1 << 30)
+                    pending.pop(0)
+            except BaseException:
+                for entry in pending:  # not handed back yet: keep them here, in order
+                    self.local.enqueue(entry, cap=None)
+                raise
+        self._counts = await self.redis.counts()
         was_degraded = self.redis_error is not None
         self.using_redis, self.redis_error = True, None
         if was_degraded:
@@ -239,6 +250,8 @@ class FleetQueue:
                     await self._reconcile()
             except REDIS_DOWN as err:
                 await self._degrade(err)
+            except Exception as err:  # a Redis that answers oddly (loading, errors) must not stop maintenance
+                log.warning("fleet queue maintenance failed: %s: %s", type(err).__name__, err)
 
     async def _reconcile(self) -> None:
         live = {i for i, w in self._waiters.items() if not w.done()}
@@ -272,6 +285,9 @@ class FleetQueue:
                         self._grant(data.decode() if isinstance(data, bytes) else data)
             except REDIS_DOWN as err:
                 await self._degrade(err)
+            except Exception as err:
+                log.warning("listening for grants failed: %s: %s", type(err).__name__, err)
+                await asyncio.sleep(0.2)
             finally:
                 try:
                     await pubsub.aclose()

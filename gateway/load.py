@@ -23,6 +23,7 @@ class EngineLoad:
     kv_cache_usage: float
     num_waiting: int
     num_running: int
+    max_num_seqs: int | None = None  # kvfleet engines export it; vLLM's metrics do not
 
 
 def parse_engine_load(text: str) -> EngineLoad:
@@ -40,5 +41,6 @@ def parse_engine_load(text: str) -> EngineLoad:
         if name is None:
             raise MetricsParseError(f"no {signal} metric; expected one of {', '.join(names)}")
         values[signal] = found[name]
+    capacity = int(found.get("kvfleet_max_num_seqs", 0)) or None
     return EngineLoad(min(max(values["kv_cache_usage"], 0.0), 1.0), int(values["num_waiting"]),
-                      int(values["num_running"]))
+                      int(values["num_running"]), capacity)

@@ -22,10 +22,23 @@ class EndpointSnapshot:
     num_running: int  # from /metrics
     metrics_age_s: float  # time since the last successful scrape
     in_flight: int = 0  # requests this gateway sent since that scrape
+    max_num_seqs: int | None = None  # the engine's batch capacity, when it exports it
 
     @property
     def queue_depth(self) -> int:
-        return self.num_waiting + self.in_flight
+        """Waiting requests as the engine will see them: the scraped queue plus this gateway's dispatches since
+        the scrape, less those that fit in the engine's free batch slots (when it says how many it has)."""
+        if self.max_num_seqs is None:
+            return self.num_waiting + self.in_flight
+        free_slots = max(0, self.max_num_seqs - self.num_running)
+        return self.num_waiting + max(0, self.in_flight - free_slots)
+
+    @property
+    def occupancy(self) -> float | None:
+        """Requests held (running, waiting, just sent) over the batch capacity; None when capacity is unknown."""
+        if not self.max_num_seqs:
+            return None
+        return (self.num_running + self.num_waiting + self.in_flight) / self.max_num_seqs
 
 
 @dataclass(frozen=True)
@@ -49,8 +62,14 @@ class ScoreWeights:
 
 
 def score(e: EndpointSnapshot, prefix_match: float, weights: ScoreWeights, policy: SaturationPolicy) -> float:
-    """Higher is better: KV headroom, a short queue, and the share of the prompt's prefix likely cached there."""
-    queue_room = max(0.0, 1.0 - e.queue_depth / policy.max_queue)
+    """Higher is better: KV headroom, a short queue, and the share of the prompt's prefix likely cached there.
+    Where the engine exports its batch capacity, queue room is measured against capacity plus the queue limit,
+    so a busy one-slot engine does not look as free as an idle eight-slot one."""
+    if e.max_num_seqs:
+        held = e.num_running + e.num_waiting + e.in_flight
+        queue_room = max(0.0, 1.0 - held / (e.max_num_seqs + policy.max_queue))
+    else:
+        queue_room = max(0.0, 1.0 - e.queue_depth / policy.max_queue)
     kv_room = max(0.0, 1.0 - e.kv_cache_usage)
     return weights.queue * queue_room + weights.kv * kv_room + weights.prefix * prefix_match
 
@@ -111,5 +130,10 @@ def pick(strategy: str, endpoints: list[EndpointSnapshot], prefix_matches: dict[
 
 
 def free_slots(endpoints: list[EndpointSnapshot], policy: SaturationPolicy = SaturationPolicy()) -> int:
-    """How many queued requests the fleet can take now: each available endpoint's room below the queue limit."""
-    return sum(max(1, policy.max_queue - e.queue_depth) for e in available(endpoints, policy))
+    """How many queued requests the fleet can take now: each available endpoint's free batch slots (when known)
+    and its room below the queue limit."""
+    total = 0
+    for e in available(endpoints, policy):
+        free_batch = max(0, e.max_num_seqs - e.num_running - e.in_flight) if e.max_num_seqs else 0
+        total += max(1, free_batch + policy.max_queue - e.queue_depth)
+    return total

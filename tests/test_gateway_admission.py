@@ -27,7 +27,11 @@ def test_requests_route_at_once_while_there_is_room_and_nobody_waits() -> None:
 
 def test_when_others_wait_new_requests_queue_behind_them_even_with_room() -> None:
     assert admit(S, True, 3, 1, 10).action is Action.QUEUE
-    assert admit(X, True, 3, 0, 10).action is Action.QUEUE
+    assert admit(C, True, 3, 0, 10).action is Action.QUEUE
+
+
+def test_sheddable_never_waits_behind_others() -> None:
+    assert admit(X, True, 3, 0, 10).action is Action.SHED  # a queue means the fleet was saturated just now
 
 
 def test_sheddable_is_shed_when_the_fleet_is_saturated_others_queue() -> None:
@@ -135,8 +139,26 @@ def test_prompt_text_of_chat_and_completion_bodies() -> None:
     assert prompt_text({"messages": "not a list"}) == ""
 
 
-def ep(url: str, waiting: int = 0, kv: float = 0.1, healthy: bool = True, age: float = 0.05) -> EndpointSnapshot:
-    return EndpointSnapshot(url, healthy, kv, waiting, 0, age)
+def ep(url: str, waiting: int = 0, kv: float = 0.1, healthy: bool = True, age: float = 0.05, running: int = 0,
+       in_flight: int = 0, capacity: int | None = None) -> EndpointSnapshot:
+    return EndpointSnapshot(url, healthy, kv, waiting, running, age, in_flight, capacity)
+
+
+def test_dispatches_that_fit_in_free_batch_slots_do_not_count_as_queue() -> None:
+    assert ep("a", running=2, in_flight=6, capacity=8).queue_depth == 0
+    assert ep("a", running=2, in_flight=9, capacity=8).queue_depth == 3
+    assert ep("a", running=2, in_flight=6).queue_depth == 6  # capacity unknown (vLLM): every dispatch counts
+
+
+def test_a_busy_small_engine_scores_below_an_idle_large_one() -> None:
+    small = ep("small", running=1, capacity=1)
+    large = ep("large", running=0, capacity=8)
+    assert pick("kvfleet", [small, large], {}, random.Random(0), 0).url == "large"
+
+
+def test_free_slots_include_free_batch_slots() -> None:
+    assert free_slots([ep("a", running=2, capacity=8)]) == 6 + 5
+    assert free_slots([ep("a", running=8, waiting=4, capacity=8)]) == 1
 
 
 def test_free_slots_counts_room_below_the_queue_limit_on_available_engines() -> None:

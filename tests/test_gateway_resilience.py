@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.conftest import start_engine_servers, start_gateway, stop_process
+from tests.conftest import process_output, start_engine_servers, start_gateway, stop_process
 from tests.test_gateway_proxy import wait_until_routable
 
 
@@ -99,4 +99,5 @@ def test_redis_killed_and_restarted_the_gateway_keeps_serving_and_goes_back(tiny
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
     finally:
         stop_process(gateway)
+        print(process_output(gateway))  # shown when the test fails
         stop_process(engine)

@@ -1,0 +1,216 @@
+"""Processes for the gateway benchmarks: an embedded Redis, engines that may differ in --max-num-seqs, and
+gateways that can be restarted with another routing strategy in front of the same engines."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvfleet.gateway.load import parse_engine_load
+from kvfleet.local_fleet import free_port, tail
+from kvfleet.redis_server import RedisServer
+
+MODEL_NAME = "bench-model"  # what the engines serve and the clients ask for
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    url: str
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+def model_dir(model: str) -> Path:
+    """'tiny' (a random 3-layer Llama, ~5 ms/token on one core, built once into the kvfleet cache) or any
+    name or directory that `kvfleet engine --model` takes."""
+    from kvfleet.engine.model_files import default_cache_dir, resolve_model
+
+    if model != "tiny":
+        return resolve_model(model)
+    out = default_cache_dir() / "bench-tiny-llama"
+    if not (out / "config.json").exists():
+        from tests.tiny_model import build_tiny_llama
+
+        build_tiny_llama(out, resolve_model("smollm2-135m-instruct"))
+    return out
+
+
+def spawn(name: str, args: list[str], url: str, log_dir: Path) -> Proc:
+    """`python -m kvfleet.cli <args>`, one thread for torch, output into <log_dir>/<name>.log."""
+    log_path = log_dir / f"{name}.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log_path, "w") as log:
+        popen = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                 env=env, start_new_session=True)
+    return Proc(name, popen, url, log_path)
+
+
+def get(url: str, timeout: float = 2.0) -> str | None:
+    """The body of a 200 answer, else None."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read().decode() if response.status == 200 else None
+    except OSError:
+        return None
+
+
+def wait_for(proc: Proc, path: str, timeout_s: float = 300.0,
+             check: Callable[[str], bool] = lambda body: True) -> None:
+    """Until GET <proc.url><path> answers 200 with a body that passes `check`; the log's end if it dies."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{tail(proc.log_path)}")
+        body = get(proc.url + path)
+        if body is not None and check(body):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{proc.name} was not ready after {timeout_s:.0f} s; see {proc.log_path}")
+
+
+def stop(procs: list[Proc], timeout_s: float = 30.0) -> None:
+    for p in procs:
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()
+
+
+@dataclass
+class BenchFleet:
+    """Redis + one engine per entry of `max_num_seqs` + gateways in front of them all. A context manager."""
+
+    model: str = "tiny"
+    max_num_seqs: list[int] = field(default_factory=lambda: [4])
+    max_model_len: int = 512
+    kv_cache_memory: str = "32MiB"
+    use_redis: bool = True
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvfleet-bench-")))
+    engines: list[Proc] = field(default_factory=list)
+    gateways: list[Proc] = field(default_factory=list)
+    redis: RedisServer | None = None
+
+    def __enter__(self) -> BenchFleet:
+        try:
+            self.start_engines()
+        except BaseException:
+            self.close()
+            raise
+        # Resolving the model imported torch: hundreds of thousands of objects that every full collection in this
+        # process (the load generator) would scan, stalling its event loop for up to a second under load.
+        gc.collect()
+        gc.freeze()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start_engines(self) -> None:
+        path = model_dir(self.model)
+        if self.use_redis:
+            self.redis = RedisServer().start()
+        for i, seqs in enumerate(self.max_num_seqs):
+            port = free_port()
+            args = ["engine", "--model", str(path), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
+                    "--port", str(port), "--max-model-len", str(self.max_model_len),
+                    "--kv-cache-memory", self.kv_cache_memory, "--max-num-seqs", str(seqs)]
+            self.engines.append(spawn(f"engine-{i}-seqs{seqs}", args, f"http://127.0.0.1:{port}", self.log_dir))
+        for engine in self.engines:
+            wait_for(engine, "/ready")
+
+    def start_gateway(self, routing: str = "kvfleet", fleet: str = "bench", extra: list[str] = (),
+                      alongside: bool = False) -> str:
+        """A fresh gateway (the others stopped unless `alongside`); its URL once it has scraped every engine."""
+        if not alongside:
+            self.stop_gateway()
+        port = free_port()
+        args = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--fleet", fleet, "--routing", routing,
+                *(f for e in self.engines for f in ("--engine", e.url)), *extra]
+        if self.redis is not None:
+            args += ["--redis-url", self.redis.url]
+        gateway = spawn(f"gateway-{fleet}", args, f"http://127.0.0.1:{port}", self.log_dir)
+        self.gateways.append(gateway)
+        wait_for(gateway, "/ready", check=lambda body: json.loads(body)["available"] == len(self.engines))
+        return gateway.url
+
+    def stop_gateway(self) -> None:
+        stop(self.gateways)
+        self.gateways = []
+
+    def wait_idle(self, settle_s: float = 1.0, timeout_s: float = 120.0) -> None:
+        """Until no engine runs or queues anything, then `settle_s` more (so one run's tail never hits the next)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            loads = [parse_engine_load(get(e.url + "/metrics") or "") for e in self.engines]
+            if all(load.num_running == 0 and load.num_waiting == 0 for load in loads):
+                time.sleep(settle_s)
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"engines still busy after {timeout_s:.0f} s")
+
+    def cpu_snapshot(self) -> dict[str, float]:
+        """CPU seconds used so far by each process: engines, gateways, Redis and this one (the client)."""
+        procs = {p.name: p.pid for p in [*self.engines, *self.gateways]}
+        if self.redis is not None and self.redis.proc is not None:
+            procs["redis"] = self.redis.proc.pid
+        return {**{name: cpu_seconds(pid) for name, pid in procs.items()}, "client": time.process_time()}
+
+    def close(self) -> None:
+        self.stop_gateway()
+        stop(self.engines)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each process used between two snapshots."""
+    return {name: after[name] - before[name] for name in after if name in before}
+
+
+def gateway_queue_waits(gateway_url: str) -> dict[str, dict]:
+    """From the gateway's /metrics, per class: how many requests have waited in its fleet queue, for how long."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict] = {}
+    for family in text_string_to_metric_families(get(gateway_url + "/metrics") or ""):
+        for sample in family.samples:
+            if sample.name in ("kvfleet_gateway_queue_wait_seconds_sum", "kvfleet_gateway_queue_wait_seconds_count"):
+                key = "queued" if sample.name.endswith("count") else "wait_s"
+                out.setdefault(sample.labels["priority"], {"queued": 0, "wait_s": 0.0})[key] = sample.value
+    return out
+
+
+def queue_waits_between(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Per class, the requests that waited in the gateway's queue between two `gateway_queue_waits` readings."""
+    out = {}
+    for priority, now in after.items():
+        then = before.get(priority, {"queued": 0, "wait_s": 0.0})
+        queued, wait_s = int(now["queued"] - then["queued"]), now["wait_s"] - then["wait_s"]
+        out[priority] = {"queued": queued, "mean_wait_s": wait_s / queued if queued else None}
+    return out

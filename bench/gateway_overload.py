@@ -1,0 +1,206 @@
+"""Overload: twice the fleet's capacity with a priority mix; does every request get an answer, and does
+critical traffic keep its latency?
+
+    python -m bench.gateway_overload --duration 60 --out bench/results
+    python -m bench.gateway_overload --quick          # a ~1-minute smoke run; its figures are noise
+
+Two engines of the tiny random Llama (--max-num-seqs 4 each, one torch thread) behind one kvfleet gateway with
+its Redis queue. Capacity is measured first (every engine kept full, completions per second for chat,
+32-word prompts, 128 tokens, EOS ignored). Then: an unloaded baseline, critical requests alone at the rate
+critical gets in the overload run (0.4× capacity, nothing else queued), and the overload run: Poisson at
+2× capacity, critical 0.2, standard 0.5, sheddable 0.3. Reports per class the answers (200 / 429 shed / 503 queue
+deadline), TTFT p50/p99, each class's mean wait in the gateway's queue, the CPU each process used, and critical
+p99 TTFT under overload ÷ unloaded. Exits 1 if any request got no answer (timeout, connection error,
+broken stream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.capacity import saturated_throughput
+from bench.fleet_procs import MODEL_NAME, BenchFleet, cpu_used, gateway_queue_waits, queue_waits_between
+from bench.loop_lag import describe_lag, with_loop_lag
+from kvfleet.bench_report import CLASS_COLORS, REJECTION_MARKERS, summarize
+from kvfleet.loadgen import LoadSpec, RequestRecord, parse_priority_mix, run_load
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help="'tiny' (random 3-layer Llama) or a model for the engines")
+    parser.add_argument("--engines", default="4,4", help="--max-num-seqs of each engine")
+    parser.add_argument("--overload", type=float, default=2.0, help="arrival rate as a multiple of capacity")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals in the overload run")
+    parser.add_argument("--baseline-duration", type=float, default=20.0, help="seconds of the critical-only run")
+    parser.add_argument("--mix", default="critical=0.2,standard=0.5,sheddable=0.3")
+    parser.add_argument("--max-queue-ms", type=int, default=10_000, help="the gateway's queue deadline")
+    parser.add_argument("--calibrate-s", type=float, default=10.0, help="seconds of the capacity measurement")
+    parser.add_argument("--prompt-words", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="output tokens per request; long enough that the gateway's per-request work stays small "
+                             "beside the engines' on this machine")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="short runs and a 3 s queue deadline, to check it works")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--replot", type=Path, help="redraw the chart of an earlier run's JSON and exit")
+    args = parser.parse_args()
+    if args.quick:
+        args.duration, args.baseline_duration, args.calibrate_s, args.max_queue_ms = 12.0, 5.0, 4.0, 3_000
+    return args
+
+
+def answered(r: RequestRecord | dict) -> bool:
+    """An HTTP answer came back and, for a 200, its stream ran to data: [DONE] without an error event."""
+    status, error = (r.status, r.error) if isinstance(r, RequestRecord) else (r["status"], r["error"])
+    return status is not None and (status != 200 or error is None)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.replot:
+        chart(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        return 0
+    seqs = [int(s) for s in args.engines.split(",")]
+    mix = parse_priority_mix(args.mix)
+    base = LoadSpec(url="http://placeholder", prompt_words=args.prompt_words, max_tokens=args.max_tokens,
+                    ignore_eos=True, model=MODEL_NAME, seed=args.seed)
+    started = time.monotonic()
+    with BenchFleet(args.model, seqs) as fleet:
+        capacity = asyncio.run(saturated_throughput({e.url: s for e, s in zip(fleet.engines, seqs, strict=True)},
+                                                    base, MODEL_NAME, args.calibrate_s))["requests_per_s"]
+        rate = args.overload * capacity
+        critical_rate = rate * mix.get("critical", 0.0)
+        print(f"capacity: {capacity:.2f} req/s; overload {rate:.2f} req/s for {args.duration:g} s; "
+              f"baseline: critical alone at {critical_rate:.2f} req/s", flush=True)
+        url = fleet.start_gateway("kvfleet", fleet="overload", extra=["--max-queue-ms", str(args.max_queue_ms)])
+        baseline = LoadSpec(url=url, num_requests=max(1, round(critical_rate * args.baseline_duration)),
+                            rate=critical_rate, priority_mix={"critical": 1.0}, prompt_words=args.prompt_words,
+                            max_tokens=args.max_tokens, ignore_eos=True, model=MODEL_NAME, seed=args.seed + 1)
+        baseline_records, baseline_lag = asyncio.run(with_loop_lag(run_load(baseline, progress=False)))
+        fleet.wait_idle()
+        overload = LoadSpec(url=url, num_requests=max(1, round(rate * args.duration)), rate=rate, priority_mix=mix,
+                            prompt_words=args.prompt_words, max_tokens=args.max_tokens, ignore_eos=True,
+                            model=MODEL_NAME, seed=args.seed)
+        cpu_before, waits_before, run_started = fleet.cpu_snapshot(), gateway_queue_waits(url), time.monotonic()
+        records, lag = asyncio.run(with_loop_lag(run_load(overload, progress=False)))
+        run_wall = time.monotonic() - run_started
+        cpu = cpu_used(cpu_before, fleet.cpu_snapshot())
+        queue_waits = queue_waits_between(waits_before, gateway_queue_waits(url))
+    unanswered = [r for r in records + baseline_records if not answered(r)]
+    summary, baseline_summary = summarize(records), summarize(baseline_records)
+    critical_p99 = summary["by_class"].get("critical", {}).get("ttft_s", {}).get("p99")
+    unloaded_p99 = baseline_summary["overall"]["ttft_s"]["p99"]
+    report = {
+        "command": shlex.join(["python", "-m", "bench.gateway_overload", *sys.argv[1:]]),
+        "engines_max_num_seqs": seqs, "capacity_requests_per_s": capacity, "rate": rate,
+        "max_queue_ms": args.max_queue_ms, "wall_s": time.monotonic() - started,
+        "client_loop_lag_s": max(lag, baseline_lag),
+        "overload_cpu_cores": {name: seconds / run_wall for name, seconds in cpu.items()},
+        "gateway_queue_waits": queue_waits,
+        "all_answered": not unanswered, "unanswered": [asdict(r) for r in unanswered],
+        "critical_p99_ttft_overload_s": critical_p99, "critical_p99_ttft_unloaded_s": unloaded_p99,
+        "critical_p99_ratio": critical_p99 / unloaded_p99 if critical_p99 and unloaded_p99 else None,
+        "overload": {"spec": overload.public(), "summary": summary, "records": [asdict(r) for r in records]},
+        "baseline": {"spec": baseline.public(), "summary": baseline_summary,
+                     "records": [asdict(r) for r in baseline_records]},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "gateway_overload.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(format_table(report))
+    print(f"JSON: {path}   chart: {chart(report, path.with_suffix('.png'))}")
+    return 0 if not unanswered else 1
+
+
+def format_table(report: dict) -> str:
+    rows = [f"{'class':<18} {'count':>5} {'answered':>8}  {'200':>5} {'429':>5} {'503':>5} {'other':>5}  "
+            f"{'TTFT p50':>9} {'TTFT p99':>9}"]
+    groups = [*report["overload"]["summary"]["by_class"].items(),
+              ("critical unloaded", report["baseline"]["summary"]["overall"])]
+    records = {"critical unloaded": report["baseline"]["records"]}
+    for name, g in groups:
+        mine = records.get(name) or [r for r in report["overload"]["records"] if r["priority"] == name]
+        by = g["by_status"]
+        other = g["count"] - sum(by.get(code, 0) for code in ("200", "429", "503"))
+        rows.append(f"{name:<18} {g['count']:>5} {sum(answered(r) for r in mine):>8}  {by.get('200', 0):>5} "
+                    f"{by.get('429', 0):>5} {by.get('503', 0):>5} {other:>5}  {_s(g['ttft_s']['p50']):>9} "
+                    f"{_s(g['ttft_s']['p99']):>9}")
+    n_unanswered = len(report["unanswered"])
+    cpu = report["overload_cpu_cores"]
+    ratio = report["critical_p99_ratio"]
+    return "\n".join([
+        f"\n{report['command']}",
+        f"fleet capacity {report['capacity_requests_per_s']:.2f} req/s; overload {report['rate']:.2f} req/s "
+        f"({report['overload']['spec']['num_requests']} requests); gateway queue deadline {report['max_queue_ms']} ms",
+        *rows,
+        "every request got an answer" if not n_unanswered else
+        f"FAILED: {n_unanswered} request(s) got no answer, e.g. {report['unanswered'][0]['error']}",
+        f"critical p99 TTFT: {_s(report['critical_p99_ttft_overload_s'])} under overload vs "
+        f"{_s(report['critical_p99_ttft_unloaded_s'])} unloaded ({'-' if ratio is None else f'{ratio:.2f}'}×)",
+        "mean wait in the gateway's queue (the rest of TTFT is the engine's queue and prefill): " + ", ".join(
+            f"{p} {_s(w['mean_wait_s'])} ({w['queued']} queued)" for p, w in report["gateway_queue_waits"].items()),
+        "CPU during the overload run (cores): " + ", ".join(
+            f"{name} {cores:.2f}" for name, cores in sorted(cpu.items(), key=lambda kv: -kv[1])),
+        describe_lag(report["client_loop_lag_s"]),
+    ])
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}s"
+
+
+def chart(report: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'); no chart written")
+        return None
+    fig, (timeline, cdf) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 2]})
+    records = report["overload"]["records"]
+    for name, color in CLASS_COLORS.items():
+        mine = [r for r in records if r["priority"] == name]
+        ok = [r for r in mine if r["status"] == 200 and r["error"] is None and r["ttft_s"] is not None]
+        timeline.scatter([r["sent_at"] for r in ok], [r["ttft_s"] for r in ok], s=8, color=color, label=f"{name} TTFT")
+        for status, (marker, label) in REJECTION_MARKERS.items():
+            hit = [r for r in mine if r["status"] == status]
+            if hit:
+                timeline.scatter([r["sent_at"] for r in hit], [r["e2e_s"] for r in hit], marker=marker, s=22,
+                                 color=color, label=f"{name} {label} (time to answer)")
+        values = sorted(r["ttft_s"] for r in ok)
+        if values:
+            cdf.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", color=color,
+                     label=f"{name}, overload")
+    unloaded = sorted(r["ttft_s"] for r in report["baseline"]["records"] if r["ttft_s"] is not None)
+    if unloaded:
+        cdf.step(unloaded, [(i + 1) / len(unloaded) for i in range(len(unloaded))], "--", where="post",
+                 color=CLASS_COLORS["critical"], label="critical, unloaded")
+    lost = [r for r in records if not answered(r)]
+    if lost:
+        timeline.scatter([r["sent_at"] for r in lost], [r["e2e_s"] for r in lost], marker="*", s=40, color="black",
+                         label="no answer")
+    timeline.set(yscale="log", xlabel="sent at (s from start)", ylabel="TTFT, or time to a 429/503 (s, log)",
+                 title=f"overload at {report['rate']:.1f} req/s "
+                       f"({report['rate'] / report['capacity_requests_per_s']:.1f}× capacity)")
+    cdf.set(xscale="log", xlabel="TTFT (s, log)", ylabel="fraction of the class's 200 answers",
+            title="TTFT CDF by class")
+    for ax in (timeline, cdf):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

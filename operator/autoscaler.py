@@ -1,0 +1,203 @@
+"""How many engine pods a fleet should have: a pure function of what was observed and what was decided before.
+
+After Kubernetes' HPA: desired = ceil(current × observed / target) for each signal (KV-cache usage per pod,
+waiting requests per replica including the gateway's queue), the larger wins; no change within the tolerance;
+pods without metrics count as full when scaling down and as empty when scaling up; scale-up and scale-down
+stabilization windows; at most ×2 up and ÷2 down per step; clamped to [min, max]. After Knative's KPA: a burst
+(the latest load ≥ 2× the stable-window average) scales up at once and blocks scale-down for a while, and a
+fleet with minReplicas 0 goes to zero after an idle period and comes back as soon as the gateway holds requests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AutoscalingPolicy:
+    min_replicas: int = 1
+    max_replicas: int = 8
+    target_kv_usage: float = 0.7
+    target_queue_per_replica: float = 4.0
+    tolerance: float = 0.1
+    scale_up_stabilization_s: float = 0.0
+    scale_down_stabilization_s: float = 300.0
+    max_scale_up_factor: float = 2.0
+    max_scale_down_factor: float = 2.0
+    panic_threshold: float = 2.0  # latest load / stable-window load that counts as a burst
+    stable_window_s: float = 60.0
+    panic_hold_s: float = 60.0  # no scale-down for this long after a burst
+    scale_to_zero_idle_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"minReplicas ({self.min_replicas}) must be between 0 and maxReplicas "
+                             f"({self.max_replicas})")
+        if self.max_replicas < 1:
+            raise ValueError("maxReplicas must be at least 1")
+        if not 0 < self.target_kv_usage <= 1:
+            raise ValueError(f"targetKVCacheUsage must be in (0, 1], not {self.target_kv_usage}")
+        if self.target_queue_per_replica <= 0:
+            raise ValueError(f"targetQueuePerReplica must be positive, not {self.target_queue_per_replica}")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"tolerance must be in [0, 1), not {self.tolerance}")
+        if self.scale_up_stabilization_s < 0 or self.scale_down_stabilization_s < 0:
+            raise ValueError("stabilization windows must be >= 0 seconds")
+
+
+@dataclass(frozen=True)
+class PodLoad:
+    """One ready pod's scraped load; None where its /metrics could not be read."""
+
+    kv_usage: float | None
+    running: int | None = None
+    waiting: int | None = None
+
+    @property
+    def has_metrics(self) -> bool:
+        return self.kv_usage is not None and self.waiting is not None
+
+
+@dataclass(frozen=True)
+class Observation:
+    time: float  # seconds, any monotonic origin
+    current_replicas: int  # what the Deployment has now (spec)
+    pods: tuple[PodLoad, ...]  # its ready pods
+    gateway_queued: int = 0  # the fleet's requests waiting in the gateway queue (Redis)
+
+
+@dataclass(frozen=True)
+class Decision:
+    desired: int
+    reason: str
+    kv_usage: float | None  # average over pods with metrics
+    queue_per_replica: float
+    panic: bool = False
+
+    def inputs(self) -> dict:
+        return {"kvCacheUsage": None if self.kv_usage is None else round(self.kv_usage, 3),
+                "queuePerReplica": round(self.queue_per_replica, 2), "panic": self.panic}
+
+
+@dataclass
+class AutoscalerState:
+    """What one fleet's autoscaler remembers between periods (kept in memory by the operator)."""
+
+    recommendations: list[tuple[float, int]] = field(default_factory=list)
+    loads: list[tuple[float, float]] = field(default_factory=list)  # (time, load) for the burst detector
+    panic_until: float = -math.inf
+    last_busy: float | None = None
+
+
+def _ratio_desired(n: int, observed: float, target: float, tolerance: float) -> int:
+    ratio = observed / target
+    if abs(ratio - 1.0) <= tolerance:
+        return n
+    return math.ceil(n * ratio - 1e-9)
+
+
+def _signal_desired(n: int, kv_values: list[float], waiting: list[int], missing: int, queued: int,
+                    policy: AutoscalingPolicy) -> tuple[int, float | None, float]:
+    """HPA on each signal, with missing pods filled in against the direction of the change, then the larger."""
+    total = n + missing
+    kv_avg = sum(kv_values) / len(kv_values) if kv_values else None
+    queue = (sum(waiting) + queued) / max(total, 1)
+    wanted = []
+    if kv_avg is not None:
+        raw = _ratio_desired(len(kv_values), kv_avg, policy.target_kv_usage, policy.tolerance)
+        if missing:
+            fill = policy.target_kv_usage if raw < len(kv_values) else 0.0  # full when scaling down, else empty
+            filled = (sum(kv_values) + fill * missing) / total
+            raw = _ratio_desired(total, filled, policy.target_kv_usage, policy.tolerance)
+        wanted.append(raw)
+    if total:
+        raw_q = _ratio_desired(total, queue, policy.target_queue_per_replica, policy.tolerance)
+        if missing and raw_q < total:  # scaling down: missing pods count as at target
+            filled = (sum(waiting) + queued + policy.target_queue_per_replica * missing) / total
+            raw_q = _ratio_desired(total, filled, policy.target_queue_per_replica, policy.tolerance)
+        wanted.append(raw_q)
+    return (max(wanted) if wanted else total), kv_avg, queue
+
+
+def load_level(obs: Observation) -> float:
+    """One number for the burst detector: requests in the system (running + waiting + gateway-queued)."""
+    return float(sum((p.running or 0) + (p.waiting or 0) for p in obs.pods) + obs.gateway_queued)
+
+
+def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerState) -> Decision:
+    """The replica count to set now; updates state (recommendation history, burst and idle tracking)."""
+    now, current = obs.time, obs.current_replicas
+    with_metrics = [p for p in obs.pods if p.has_metrics]
+    missing = max(0, current - len(with_metrics)) if current else 0
+    kv_values = [p.kv_usage for p in with_metrics]
+    waiting = [p.waiting for p in with_metrics]
+    level = load_level(obs)
+    if level > 0 or any(v > 0.01 for v in kv_values):
+        state.last_busy = now
+    elif state.last_busy is None:
+        state.last_busy = now
+
+    # A burst: the latest load at least panic_threshold × the stable window's average.
+    state.loads = [(t, v) for t, v in state.loads if t > now - policy.stable_window_s] + [(now, level)]
+    stable = sum(v for _, v in state.loads) / len(state.loads)
+    burst = level > 0 and len(state.loads) > 1 and level >= policy.panic_threshold * max(stable, 1e-9)
+    if burst:
+        state.panic_until = now + policy.panic_hold_s
+    panic = now < state.panic_until
+
+    if current == 0:
+        desired, reason = _from_zero(obs, policy)
+        kv_avg, queue = None, float(obs.gateway_queued)
+    else:
+        raw, kv_avg, queue = _signal_desired(len(with_metrics), kv_values, waiting, missing, obs.gateway_queued,
+                                             policy)
+        desired, reason = raw, _reason(raw, current, kv_avg, queue, policy)
+        idle_for = now - (state.last_busy if state.last_busy is not None else now)
+        if policy.min_replicas == 0 and level == 0 and idle_for >= policy.scale_to_zero_idle_s:
+            desired, reason = 0, f"idle for {idle_for:.0f} s: scale to zero"
+
+    desired = _stabilize(desired, current, now, policy, state, burst, panic)
+    if desired < current and panic:
+        desired, reason = current, "burst hold: no scale-down right after a burst"
+    if current > 0 and desired > 0:
+        desired = min(desired, max(current + 1, math.floor(current * policy.max_scale_up_factor)))
+        desired = max(desired, math.ceil(current / policy.max_scale_down_factor))
+    floor = policy.min_replicas if not (desired == 0 and policy.min_replicas == 0) else 0
+    clamped = min(policy.max_replicas, max(floor, desired))
+    if clamped != desired:
+        reason += f" (clamped to [{policy.min_replicas}, {policy.max_replicas}])"
+    if burst and clamped > current:
+        reason = "burst: " + reason
+    return Decision(clamped, reason, kv_avg, queue, panic)
+
+
+def _from_zero(obs: Observation, policy: AutoscalingPolicy) -> tuple[int, str]:
+    if obs.gateway_queued > 0:
+        n = max(1, math.ceil(obs.gateway_queued / policy.target_queue_per_replica))
+        return n, f"{obs.gateway_queued} request(s) queued at the gateway: scale from zero"
+    return max(0, policy.min_replicas), "no demand"
+
+
+def _reason(raw: int, current: int, kv: float | None, queue: float, policy: AutoscalingPolicy) -> str:
+    kv_text = "no KV metrics" if kv is None else f"KV usage {kv:.2f} vs target {policy.target_kv_usage:.2f}"
+    q_text = f"queue {queue:.1f}/replica vs target {policy.target_queue_per_replica:g}"
+    if raw == current:
+        return f"within tolerance: {kv_text}, {q_text}"
+    return f"{'up' if raw > current else 'down'}: {kv_text}, {q_text}"
+
+
+def _stabilize(desired: int, current: int, now: float, policy: AutoscalingPolicy, state: AutoscalerState,
+               burst: bool, panic: bool) -> int:
+    """HPA's windows: scale down only to the highest recommendation of the down window, and up only to the
+    lowest of the up window (a burst skips the up window)."""
+    horizon = max(policy.scale_up_stabilization_s, policy.scale_down_stabilization_s)
+    state.recommendations = [(t, r) for t, r in state.recommendations if t > now - horizon]
+    state.recommendations.append((now, desired))
+    if desired < current:
+        window = [r for t, r in state.recommendations if t >= now - policy.scale_down_stabilization_s]
+        return min(current, max(window))
+    if desired > current and not burst and policy.scale_up_stabilization_s > 0:
+        window = [r for t, r in state.recommendations if t >= now - policy.scale_up_stabilization_s]
+        return max(current, min(window))
+    return desired
