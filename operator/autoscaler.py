@@ -90,34 +90,40 @@ class AutoscalerState:
     last_busy: float | None = None
 
 
-def _ratio_desired(n: int, observed: float, target: float, tolerance: float) -> int:
-    ratio = observed / target
-    if abs(ratio - 1.0) <= tolerance:
-        return n
-    return math.ceil(n * ratio - 1e-9)
+def hpa_desired(values: list[float], missing: int, target: float, tolerance: float, extra: float = 0.0) -> int:
+    """Kubernetes HPA for one signal: values from the pods with metrics (plus `extra`, load not tied to a pod),
+    averaged over all pods; pods without metrics are filled in against the direction of the change (as empty
+    when scaling up, as at target when scaling down), and a change that the fill-in cancels or reverses is
+    dropped."""
+    total = len(values) + missing
+    if total == 0:
+        return 0
+    if not values:
+        ratio = (extra / total) / target
+        return total if ratio <= 1 + tolerance else math.ceil(total * ratio - 1e-9)
+    ratio = (sum(values) + extra) / len(values) / target
+    if not missing:
+        return len(values) if abs(ratio - 1) <= tolerance else math.ceil(len(values) * ratio - 1e-9)
+    if abs(ratio - 1) <= tolerance:
+        return total
+    fill = 0.0 if ratio > 1 else target
+    new_ratio = (sum(values) + extra + fill * missing) / total / target
+    if abs(new_ratio - 1) <= tolerance or (new_ratio > 1) != (ratio > 1):
+        return total
+    return math.ceil(total * new_ratio - 1e-9)
 
 
 def _signal_desired(n: int, kv_values: list[float], waiting: list[int], missing: int, queued: int,
                     policy: AutoscalingPolicy) -> tuple[int, float | None, float]:
-    """HPA on each signal, with missing pods filled in against the direction of the change, then the larger."""
+    """HPA on KV usage and on queue per replica (the gateway's queue included); the larger wins."""
     total = n + missing
     kv_avg = sum(kv_values) / len(kv_values) if kv_values else None
     queue = (sum(waiting) + queued) / max(total, 1)
-    wanted = []
-    if kv_avg is not None:
-        raw = _ratio_desired(len(kv_values), kv_avg, policy.target_kv_usage, policy.tolerance)
-        if missing:
-            fill = policy.target_kv_usage if raw < len(kv_values) else 0.0  # full when scaling down, else empty
-            filled = (sum(kv_values) + fill * missing) / total
-            raw = _ratio_desired(total, filled, policy.target_kv_usage, policy.tolerance)
-        wanted.append(raw)
-    if total:
-        raw_q = _ratio_desired(total, queue, policy.target_queue_per_replica, policy.tolerance)
-        if missing and raw_q < total:  # scaling down: missing pods count as at target
-            filled = (sum(waiting) + queued + policy.target_queue_per_replica * missing) / total
-            raw_q = _ratio_desired(total, filled, policy.target_queue_per_replica, policy.tolerance)
-        wanted.append(raw_q)
-    return (max(wanted) if wanted else total), kv_avg, queue
+    wanted = [hpa_desired([float(w) for w in waiting], missing, policy.target_queue_per_replica, policy.tolerance,
+                          extra=float(queued))]
+    if kv_values:
+        wanted.append(hpa_desired(kv_values, missing, policy.target_kv_usage, policy.tolerance))
+    return max(wanted), kv_avg, queue
 
 
 def load_level(obs: Observation) -> float:
@@ -152,7 +158,9 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
     else:
         raw, kv_avg, queue = _signal_desired(len(with_metrics), kv_values, waiting, missing, obs.gateway_queued,
                                              policy)
-        desired, reason = raw, _reason(raw, current, kv_avg, queue, policy)
+        desired, reason = max(1, raw), _reason(raw, current, kv_avg, queue, policy)  # zero only when idle
+        if missing:
+            reason += f"; {missing} pod(s) without metrics"
         idle_for = now - (state.last_busy if state.last_busy is not None else now)
         if policy.min_replicas == 0 and level == 0 and idle_for >= policy.scale_to_zero_idle_s:
             desired, reason = 0, f"idle for {idle_for:.0f} s: scale to zero"
