@@ -103,8 +103,9 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        names = request.query_params.getlist("name[]")
+        return Response(state.metrics.render(names), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -88,5 +88,21 @@ class EngineMetrics:
             if out.num_output_tokens > 1:
                 self.itl.observe((m.finished_time - m.first_token_time) / (out.num_output_tokens - 1))
 
-    def render(self) -> bytes:
+    def render(self, names: list[str] | None = None) -> bytes:
+        """All metrics, or only those named (`/metrics?name[]=...`, as prometheus_client's own handler does)."""
+        if names:
+            return generate_latest(_Only(self.registry, set(names)))
         return generate_latest(self.registry)
+
+
+class _Only:
+    """The registry's families that carry one of the names (its collectors do not describe themselves, so
+    prometheus_client's restricted_registry cannot see the engine's gauges)."""
+
+    def __init__(self, registry: CollectorRegistry, names: set[str]) -> None:
+        self.registry, self.names = registry, names
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if family.name in self.names or any(sample.name in self.names for sample in family.samples):
+                yield family

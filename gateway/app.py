@@ -35,7 +35,9 @@ from kvfleet.gateway.scraper import Scraper
 
 log = logging.getLogger("kvfleet.gateway")
 
-ENGINE_PRIORITY = {Priority.CRITICAL: -1, Priority.STANDARD: 0, Priority.SHEDDABLE: 1}  # vLLM: lower runs first
+# vLLM's semantics: lower runs first. Sheddable work an engine has accepted is not pushed back there: engines
+# order strictly by priority, without the gateway queue's aging, so it could starve behind a steady stream.
+ENGINE_PRIORITY = {Priority.CRITICAL: -1, Priority.STANDARD: 0, Priority.SHEDDABLE: 0}
 
 
 @dataclass
@@ -152,7 +154,7 @@ class Gateway:
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
         hashes = self.prefix.block_hashes(prompt_text(body)) if self.config.routing == "kvfleet" else []
-        if self.config.forward_priority and priority is not Priority.STANDARD and "priority" not in body:
+        if self.config.forward_priority and ENGINE_PRIORITY[priority] and "priority" not in body:
             body["priority"] = ENGINE_PRIORITY[priority]  # the engine admits and preempts by it too
             raw = json.dumps(body).encode()
 

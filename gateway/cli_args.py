@@ -40,8 +40,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="an engine whose metrics are older than this counts as saturated")
     r.add_argument("--scrape-interval-ms", type=float, default=75.0)
     r.add_argument("--forward-priority", action=argparse.BooleanOptionalAction, default=True,
-                   help="set the request body's vLLM `priority` from the class (critical -1, sheddable 1) so engines "
-                        "run critical work first; turn off for vLLM pods without --scheduling-policy priority")
+                   help="set the request body's vLLM `priority` to -1 for critical requests so engines run them "
+                        "first; turn off for vLLM pods without --scheduling-policy priority")
     r.add_argument("--eject-after-failures", type=int, default=3)
     r.add_argument("--eject-seconds", type=float, default=10.0)
     a = p.add_argument_group("access control")

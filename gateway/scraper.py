@@ -14,7 +14,7 @@ from collections.abc import Callable
 import httpx
 
 from kvfleet.gateway.endpoints import EndpointPool
-from kvfleet.gateway.load import MetricsParseError, parse_engine_load
+from kvfleet.gateway.load import METRICS_QUERY, MetricsParseError, parse_engine_load
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Scraper:
 
     async def scrape_once(self, url: str) -> None:
         try:
-            response = await self.client.get(f"{url}/metrics", timeout=self.timeout_s)
+            response = await self.client.get(f"{url}/metrics?{METRICS_QUERY}", timeout=self.timeout_s)
             if response.status_code != 200:
                 self._failed(url, f"/metrics answered {response.status_code}")
                 return

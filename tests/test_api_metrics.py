@@ -92,3 +92,14 @@ def test_disconnect_before_a_plain_response_frees_the_blocks(base: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("blocks not freed after the client left a non-streaming request")
+
+
+def test_metrics_can_be_restricted_to_named_ones_for_frequent_scrapes(base: str) -> None:
+    from kvfleet.gateway.load import METRICS_QUERY, parse_engine_load
+
+    text = httpx.get(f"{base}/metrics?{METRICS_QUERY}").text
+    names = {line.split("{")[0].split()[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert names == {"kvfleet_kv_cache_usage", "kvfleet_num_requests_waiting", "kvfleet_num_requests_running",
+                     "kvfleet_max_num_seqs"}
+    assert parse_engine_load(text).max_num_seqs == 128  # the engine default
+    assert len(text) < len(httpx.get(f"{base}/metrics").text) / 5

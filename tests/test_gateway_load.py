@@ -38,5 +38,7 @@ def test_reads_older_vllm_gpu_cache_name() -> None:
 def test_missing_signal_and_garbage_are_clear_errors() -> None:
     with pytest.raises(MetricsParseError, match="no kv_cache_usage metric; expected one of kvfleet_kv_cache_usage"):
         parse_engine_load("up 1\n")
-    with pytest.raises(MetricsParseError, match="cannot parse the metrics text"):
-        parse_engine_load("this is { not prometheus\n")
+    with pytest.raises(MetricsParseError, match="no kv_cache_usage metric"):
+        parse_engine_load("<html>this is { not prometheus</html>\n")
+    with pytest.raises(MetricsParseError, match="cannot read the value"):
+        parse_engine_load("kvfleet_kv_cache_usage lots\n")
