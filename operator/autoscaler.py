@@ -103,12 +103,12 @@ def hpa_desired(values: list[float], missing: int, target: float, tolerance: flo
         return total if ratio <= 1 + tolerance else math.ceil(total * ratio - 1e-9)
     ratio = (sum(values) + extra) / len(values) / target
     if not missing:
-        return len(values) if abs(ratio - 1) <= tolerance else math.ceil(len(values) * ratio - 1e-9)
-    if abs(ratio - 1) <= tolerance:
+        return len(values) if abs(ratio - 1) <= tolerance + 1e-9 else math.ceil(len(values) * ratio - 1e-9)
+    if abs(ratio - 1) <= tolerance + 1e-9:
         return total
     fill = 0.0 if ratio > 1 else target
     new_ratio = (sum(values) + extra + fill * missing) / total / target
-    if abs(new_ratio - 1) <= tolerance or (new_ratio > 1) != (ratio > 1):
+    if abs(new_ratio - 1) <= tolerance + 1e-9 or (new_ratio > 1) != (ratio > 1):
         return total
     return math.ceil(total * new_ratio - 1e-9)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import start_engine_server
+from tests.conftest import process_output, start_engine_server
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits_zero(tiny_model_dir: Path) -> None:
@@ -34,7 +34,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits_zero(tiny_model_dir: Pat
                 finish = chunk["choices"][0]["finish_reason"] or finish
         assert finish == "length"
         assert proc.wait(timeout=60) == 0
-        log = proc.stdout.read()
+        log = process_output(proc)
         assert "completion_tokens=120" in log and "finish_reason=length" in log  # its request log line
         assert "draining in-flight requests" in log
     finally:

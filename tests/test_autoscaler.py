@@ -158,7 +158,7 @@ def test_monotone_in_load(n, kv_a, kv_b, waiting) -> None:
     assert d_low <= d_high
 
 
-@given(st.integers(1, 10), st.floats(0.63, 0.77))
+@given(st.integers(1, 10), st.floats(0.63, 0.77))  # target 0.7 ± 10 %, the edges included
 def test_no_change_within_the_tolerance(n, kv) -> None:
     assert recommend(obs(0, [kv] * n), POLICY, AutoscalerState()).desired == n
 
