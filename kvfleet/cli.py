@@ -176,6 +176,23 @@ def _add_up_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_up)
 
 
+def _operator(args: argparse.Namespace) -> int:
+    from kvfleet.operator.handlers import OperatorConfig
+    from kvfleet.operator.run import run
+
+    return run(OperatorConfig(redis_url=args.redis_url), args.namespace, args.liveness, args.metrics_port)
+
+
+def _add_operator_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("operator", help="run the InferenceFleet operator (kopf) against the current cluster")
+    p.add_argument("--namespace", "-n", action="append", default=[],
+                   help="watch fleets in this namespace (repeatable); default: all namespaces")
+    p.add_argument("--redis-url", default=None, help="the gateways' Redis, to read each fleet's queued requests")
+    p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf's liveness endpoint")
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (0: off)")
+    p.set_defaults(func=_operator)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfleet", description="LLM serving with batching at two levels")
     parser.add_argument("--version", action="version", version=f"kvfleet {__version__}")
@@ -186,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_command(sub)
     _add_gateway_command(sub)
     _add_up_command(sub)
+    _add_operator_command(sub)
     _add_generation_command(sub, "chat", "answer one chat message with the engine (streams to stdout)")
     _add_generation_command(sub, "generate", "complete one plain prompt with the engine")
     _add_bench_command(sub)
