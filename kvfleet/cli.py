@@ -177,10 +177,13 @@ def _add_up_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _operator(args: argparse.Namespace) -> int:
-    from kvfleet.operator.handlers import OperatorConfig
     from kvfleet.operator.run import run
+    from kvfleet.operator.settings import OperatorConfig
 
-    return run(OperatorConfig(redis_url=args.redis_url), args.namespace, args.liveness, args.metrics_port)
+    if args.autoscale_interval <= 0:
+        raise ValueError("--autoscale-interval must be positive")
+    return run(OperatorConfig(redis_url=args.redis_url, autoscale_interval_s=args.autoscale_interval),
+               args.namespace, args.liveness, args.metrics_port)
 
 
 def _add_operator_command(sub: argparse._SubParsersAction) -> None:
@@ -190,6 +193,7 @@ def _add_operator_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", default=None, help="the gateways' Redis, to read each fleet's queued requests")
     p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf's liveness endpoint")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (0: off)")
+    p.add_argument("--autoscale-interval", type=float, default=15.0, help="seconds between autoscaling decisions")
     p.set_defaults(func=_operator)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
-from dataclasses import dataclass
 
 import kopf
 from kubernetes import client
@@ -23,16 +23,13 @@ from kvfleet.operator.manifests import (
     selector_labels,
 )
 from kvfleet.operator.observe import observe_fleet
+from kvfleet.operator.settings import OperatorConfig
 
 log = logging.getLogger("kvfleet.operator")
 HISTORY = 5
-
-
-@dataclass
-class OperatorConfig:
-    redis_url: str | None = None
-    autoscale_interval_s: float = 15.0
-    scrape_timeout_s: float = 2.0
+# kopf takes a timer's interval when the handler is registered, so `kvfleet operator --autoscale-interval`
+# sets this variable before this module is imported.
+AUTOSCALE_INTERVAL_S = float(os.environ.get("KVFLEET_AUTOSCALE_INTERVAL", "15"))
 
 
 def now_iso() -> str:
@@ -121,7 +118,8 @@ def engine_child_drift(meta, namespace, **_) -> None:
         kopf.info(body, reason="DriftRepaired", message=line)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=15.0, initial_delay=5.0)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=AUTOSCALE_INTERVAL_S, initial_delay=min(5.0, AUTOSCALE_INTERVAL_S),
+            backoff=AUTOSCALE_INTERVAL_S)
 def inferencefleet_autoscale(spec, name, namespace, body, status, patch, memo, **_) -> None:
     config: OperatorConfig = memo.get("config") or OperatorConfig()
     try:

@@ -56,7 +56,8 @@ def observe_fleet(fleet: FleetSpec, redis_url: str | None, timeout_s: float) -> 
     try:
         dep = client.AppsV1Api().read_namespaced_deployment(name=deployment_name(fleet.name),
                                                             namespace=fleet.namespace)
-        replicas, ready = dep.status.replicas or 0, dep.status.ready_replicas or 0
+        if dep.status is not None:
+            replicas, ready = dep.status.replicas or 0, dep.status.ready_replicas or 0
     except client.ApiException as err:
         if err.status != 404:
             raise

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import kopf
 
-from kvfleet.operator.handlers import OperatorConfig
+from kvfleet.operator.settings import OperatorConfig
 
 log = logging.getLogger("kvfleet.operator")
 
@@ -33,6 +34,7 @@ def operator_startup(settings: kopf.OperatorSettings, **_) -> None:
 
 
 def run(config: OperatorConfig, namespaces: list[str], liveness: str | None, metrics_port: int | None) -> int:
+    os.environ["KVFLEET_AUTOSCALE_INTERVAL"] = str(config.autoscale_interval_s)
     import kvfleet.operator.handlers  # noqa: F401 - registers the handlers
 
     load_kubernetes_config()

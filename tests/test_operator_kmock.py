@@ -13,6 +13,7 @@ Where KMock differs from a real API server, and what the test does about it:
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import os
 import subprocess
@@ -25,6 +26,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client import ApiClient, Configuration
 
+from kvfleet.gateway.redis_queue import queue_key
+from kvfleet.redis_server import RedisServer
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
@@ -63,14 +66,16 @@ def api(tmp_path_factory):
         "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
     log = tmp_path_factory.mktemp("op") / "operator.log"
     liveness = free_port()
+    redis_server = RedisServer().start()
     operator = subprocess.Popen(
-        [sys.executable, "-m", "kvfleet.cli", "operator", "--metrics-port", "0",
-         "--liveness", f"http://127.0.0.1:{liveness}/healthz"],
+        [sys.executable, "-m", "kvfleet.cli", "operator", "--metrics-port", "0", "--redis-url", redis_server.url,
+         "--autoscale-interval", "1", "--liveness", f"http://127.0.0.1:{liveness}/healthz"],
         env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     config = Configuration(host=box["url"], api_key={"BearerToken": "test"})
-    yield ApiClient(config), operator, log, liveness
+    yield ApiClient(config), operator, log, liveness, redis_server
     operator.terminate()
     operator.wait(timeout=30)
+    redis_server.stop()
     stop.set()
 
 
@@ -96,7 +101,7 @@ def create_fleet(api_client: ApiClient, name: str, spec: dict) -> None:
 
 
 def test_a_fleet_gets_its_deployment_and_service_and_they_follow_and_are_repaired(api) -> None:
-    api_client, operator, log, liveness = api
+    api_client, operator, log, liveness, _ = api
     apps, core = client.AppsV1Api(api_client), client.CoreV1Api(api_client)
     create_fleet(api_client, "chat", {"model": "smollm2-135m-instruct", "replicas": 2,
                                       "engine": {"maxNumSeqs": 64}})
@@ -131,7 +136,7 @@ def test_a_fleet_gets_its_deployment_and_service_and_they_follow_and_are_repaire
 
 
 def test_an_invalid_spec_gets_a_condition_not_a_crash(api) -> None:
-    api_client, operator, log, liveness = api
+    api_client, operator, log, liveness, _ = api
     create_fleet(api_client, "broken", {"model": "smollm2-135m-instruct", "engine": {"maxNumSeqs": 0}})
 
     def degraded():
@@ -147,3 +152,82 @@ def test_an_invalid_spec_gets_a_condition_not_a_crash(api) -> None:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{liveness}/healthz", timeout=5) as r:
         assert r.status == 200
+
+
+class MetricsServer:
+    """Stands in for engine pods' /metrics (the operator reads only that): load set by the test."""
+
+    def __init__(self) -> None:
+        self.kv, self.running, self.waiting = 0.0, 0, 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                body = (f"kvfleet_kv_cache_usage {outer.kv}\nkvfleet_num_requests_running {outer.running}\n"
+                        f"kvfleet_num_requests_waiting {outer.waiting}\nkvfleet_max_num_seqs 16\n").encode()
+                self.send_response(200)
+                self.send_header("content-type", "text/plain")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def engine_pod(fleet: str, name: str, port: int) -> dict:
+    labels = {"app.kubernetes.io/name": "kvfleet-engine", "app.kubernetes.io/instance": fleet,
+              "kvfleet.io/fleet": fleet}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": labels, "uid": f"uid-{name}"},
+            "spec": {"containers": [{"name": "engine", "image": "kvfleet/engine:cpu",
+                                     "ports": [{"name": "http", "containerPort": port}]}]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def replicas(api_client: ApiClient, name: str) -> int:
+    return client.CustomObjectsApi(api_client).get_namespaced_custom_object(*FLEETS, name)["spec"]["replicas"]
+
+
+def test_high_kv_usage_scales_up_within_a_period_and_low_scales_down_after_the_window(api) -> None:
+    api_client, operator, log, liveness, _ = api
+    metrics = MetricsServer()
+    metrics.kv, metrics.running = 0.95, 10
+    create_fleet(api_client, "auto", {
+        "model": "smollm2-135m-instruct", "replicas": 2,
+        "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 6, "targetKVCacheUsage": 0.7,
+                        "scaleDownStabilizationSeconds": 4}})
+    core = client.CoreV1Api(api_client)
+    for i in range(2):  # two ready pods whose /metrics is the metrics server
+        core.create_namespaced_pod(NS, engine_pod("auto", f"auto-engine-{i}", metrics.port))
+    eventually(lambda: replicas(api_client, "auto") == 3, timeout=15)  # ceil(2 × 0.95 / 0.7)
+    eventually(lambda: client.AppsV1Api(api_client).read_namespaced_deployment("auto-engine", NS)
+               .spec.replicas == 3)
+    fleet = client.CustomObjectsApi(api_client).get_namespaced_custom_object(*FLEETS, "auto")
+    [entry] = fleet["status"]["scalingHistory"]
+    assert (entry["from"], entry["to"]) == (2, 3) and entry["reason"].startswith("up")
+    assert entry["kvCacheUsage"] == 0.95 and fleet["status"]["kvCachePercent"] == 95
+
+    metrics.kv, metrics.running = 0.05, 0
+    low_since = time.monotonic()
+    eventually(lambda: replicas(api_client, "auto") < 3, timeout=20)
+    assert time.monotonic() - low_since >= 3.0  # not before the 4 s scale-down window (minus one period)
+
+
+def test_requests_queued_at_the_gateway_scale_a_fleet_from_zero(api) -> None:
+    api_client, operator, log, liveness, redis_server = api
+    create_fleet(api_client, "zero", {
+        "model": "smollm2-135m-instruct", "replicas": 0,
+        "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 4}})
+    time.sleep(2.5)
+    assert replicas(api_client, "zero") == 0  # no demand: stays at zero
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url)
+    r.zadd(queue_key("zero"), {f"gw-{i}": 1000 + i for i in range(6)})  # what waiting gateways leave there
+    eventually(lambda: replicas(api_client, "zero") == 2, timeout=15)  # ceil(6 / 4 per replica)

@@ -1,0 +1,12 @@
+"""The operator's own settings (`kvfleet operator` flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class OperatorConfig:
+    redis_url: str | None = None  # the gateways' Redis: each fleet's queued requests
+    autoscale_interval_s: float = 15.0
+    scrape_timeout_s: float = 2.0
