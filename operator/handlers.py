@@ -13,6 +13,7 @@ import kopf
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from kvfleet.operator import metrics
 from kvfleet.operator.autoscaler import AutoscalerState, Observation, recommend
 from kvfleet.operator.fleet_spec import GROUP, PLURAL, VERSION, FleetSpec, InvalidSpec, parse_fleet
 from kvfleet.operator.manifests import (
@@ -86,9 +87,11 @@ def inferencefleet_reconcile(spec, name, namespace, body, meta, patch, **_) -> N
         patch.status["conditions"] = [condition("Ready", False, "InvalidSpec", str(err)),
                                       condition("Degraded", True, "InvalidSpec", str(err))]
         kopf.warn(body, reason="InvalidSpec", message=str(err))
+        metrics.RECONCILES.labels("invalid_spec").inc()
         raise kopf.PermanentError(str(err)) from err
     for line in reconcile_children(fleet, body):
         kopf.info(body, reason="Reconciled", message=line)
+    metrics.RECONCILES.labels("ok").inc()
     patch.status["observedGeneration"] = meta.get("generation")
     patch.status["selector"] = selector_string(name)
     patch.status["conditions"] = [condition("Ready", True, "Reconciled", "the engine Deployment and Service match "
@@ -116,6 +119,7 @@ def engine_child_drift(meta, namespace, **_) -> None:
         return
     for line in reconcile_children(fleet, body):
         kopf.info(body, reason="DriftRepaired", message=line)
+        metrics.DRIFT_REPAIRS.inc()
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=AUTOSCALE_INTERVAL_S, initial_delay=min(5.0, AUTOSCALE_INTERVAL_S),
@@ -128,13 +132,17 @@ def inferencefleet_autoscale(spec, name, namespace, body, status, patch, memo, *
         return
     pods, queued, counts = observe_fleet(fleet, config.redis_url, config.scrape_timeout_s)
     patch.status.update(counts)
+    metrics.KV_USAGE.labels(namespace, name).set(counts["kvCacheUsage"])
+    metrics.GATEWAY_QUEUED.labels(namespace, name).set(queued)
     if not fleet.autoscaling_enabled:
         return
     states = memo.setdefault("autoscalers", {})
     state: AutoscalerState = states.setdefault(f"{namespace}/{name}", AutoscalerState())
     decision = recommend(Observation(time.monotonic(), fleet.replicas, tuple(pods), queued), fleet.autoscaling, state)
+    metrics.DESIRED_REPLICAS.labels(namespace, name).set(decision.desired)
     if decision.desired == fleet.replicas:
         return
+    metrics.SCALE_DECISIONS.labels(namespace, name, "up" if decision.desired > fleet.replicas else "down").inc()
     entry = {"time": now_iso(), "from": fleet.replicas, "to": decision.desired, "reason": decision.reason,
              **decision.inputs(), "gatewayQueued": queued}
     client.CustomObjectsApi().patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,

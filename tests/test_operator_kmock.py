@@ -65,13 +65,15 @@ def api(tmp_path_factory):
         "users": [{"name": "u", "user": {"token": "test"}}],
         "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
     log = tmp_path_factory.mktemp("op") / "operator.log"
-    liveness = free_port()
+    liveness, metrics_port = free_port(), free_port()
     redis_server = RedisServer().start()
     operator = subprocess.Popen(
-        [sys.executable, "-m", "kvfleet.cli", "operator", "--metrics-port", "0", "--redis-url", redis_server.url,
+        [sys.executable, "-m", "kvfleet.cli", "operator", "--metrics-port", str(metrics_port),
+         "--redis-url", redis_server.url,
          "--autoscale-interval", "1", "--liveness", f"http://127.0.0.1:{liveness}/healthz"],
         env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     config = Configuration(host=box["url"], api_key={"BearerToken": "test"})
+    operator.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield ApiClient(config), operator, log, liveness, redis_server
     operator.terminate()
     operator.wait(timeout=30)
@@ -217,6 +219,12 @@ def test_high_kv_usage_scales_up_within_a_period_and_low_scales_down_after_the_w
     low_since = time.monotonic()
     eventually(lambda: replicas(api_client, "auto") < 3, timeout=20)
     assert time.monotonic() - low_since >= 3.0  # not before the 4 s scale-down window (minus one period)
+    import urllib.request
+
+    with urllib.request.urlopen(operator.metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    assert 'kvfleet_operator_scale_decisions_total{direction="up",fleet="auto",namespace="llm"} 1.0' in text
+    assert 'kvfleet_operator_scale_decisions_total{direction="down",fleet="auto",namespace="llm"}' in text
 
 
 def test_requests_queued_at_the_gateway_scale_a_fleet_from_zero(api) -> None:
