@@ -69,6 +69,7 @@ class Gateway:
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512, keepalive_expiry=30.0))
         self.queue = FleetQueue(c.redis_url, c.fleet, c.gateway_id, c.aging_ms, c.queue_caps,
                                 on_backend_change=lambda up: self.metrics.redis_up.set(1 if up else 0))
+        self.queue.release_window_ms = max(1, round(c.scrape_interval_s * 1000))
         await self.queue.start()
         self.metrics.redis_up.set(1 if self.queue.using_redis else 0)
         if self.keys is not None and self.limiter is None:

@@ -44,6 +44,7 @@ class FleetQueue:
                  on_backend_change: Callable[[bool], None] = lambda using_redis: None):
         self.fleet, self.gateway_id, self.aging_ms, self.caps = fleet, gateway_id, aging_ms, caps
         self.heartbeat_ms = heartbeat_ms
+        self.release_window_ms = 100  # about one scrape interval; the gateway sets it from its config
         self.on_backend_change = on_backend_change
         self.client = Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0) if redis_url else None
         self.redis = RedisQueue(self.client, fleet, gateway_id) if self.client else None
@@ -158,7 +159,7 @@ class FleetQueue:
             return []
         if self.using_redis:
             try:
-                released = await self.redis.release(n, now_ms())
+                released = await self.redis.release(n, now_ms(), self.release_window_ms)
             except REDIS_DOWN as err:
                 await self._degrade(err)
                 return []

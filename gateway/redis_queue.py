@@ -7,6 +7,7 @@ Keys (the fleet name sits in braces, a Redis Cluster hash tag, so one fleet's ke
   kvfleet:{<fleet>}:queue:classes    hash: priority -> entries queued in that class
   kvfleet:{<fleet>}:gateway:<id>     a replica's heartbeat (expires); entries of a replica without one are dropped
   kvfleet:{<fleet>}:grants:<id>      pub/sub channel on which other replicas hand a replica its released entries
+  kvfleet:{<fleet>}:queue:released   entries released in the last scrape interval, by any replica
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ if meta then redis.call('HINCRBY', KEYS[3], string.match(meta, '^[^|]*|([^|]*)|'
 return 1
 """
 
-# Pops up to ARGV[1] heads; an entry whose owner has no heartbeat, or whose deadline is long past, is dropped and
-# the next one taken. Entries of other live replicas are handed to them on their grants channel.
+# Pops up to ARGV[1] heads, less what any replica released within the last ARGV[6] ms (replicas that saw the same
+# free room between two scrapes must not each fill it); an entry whose owner has no heartbeat, or whose deadline
+# is long past, is dropped and the next one taken. Entries of other live replicas are handed to them on their
+# grants channel.
 _RELEASE = """
 local released, count = {}, 0
-local want = tonumber(ARGV[1])
+local want = tonumber(ARGV[1]) - tonumber(redis.call('GET', KEYS[4]) or '0')
 local now, grace = tonumber(ARGV[3]), tonumber(ARGV[4])
 while count < want do
   local head = redis.call('ZPOPMIN', KEYS[1], 1)
@@ -54,6 +57,10 @@ while count < want do
       count = count + 1
     end
   end
+end
+if count > 0 then
+  redis.call('INCRBY', KEYS[4], count)
+  redis.call('PEXPIRE', KEYS[4], ARGV[6])
 end
 return released
 """
@@ -113,9 +120,11 @@ class RedisQueue:
     async def remove(self, entry_id: str) -> bool:
         return bool(await self._remove(keys=self.keys, args=[entry_id]))
 
-    async def release(self, n: int, now_ms: float) -> list[tuple[str, str]]:
-        """Pops up to n entries in order; returns (id, owner) pairs, other replicas' entries already granted."""
-        flat = await self._release(keys=self.keys, args=[n, self.prefix, now_ms, self.grace_ms, self.gateway_id])
+    async def release(self, n: int, now_ms: float, window_ms: int = 100) -> list[tuple[str, str]]:
+        """Pops up to n entries in order, less those any replica released in the last window_ms (n is the room
+        this replica sees, which the others see too); returns (id, owner) pairs, others' entries already granted."""
+        flat = await self._release(keys=[*self.keys, self.prefix + "queue:released"],
+                                   args=[n, self.prefix, now_ms, self.grace_ms, self.gateway_id, window_ms])
         flat = [x.decode() if isinstance(x, bytes) else x for x in flat]
         return list(zip(flat[0::2], flat[1::2], strict=True))
 

@@ -200,6 +200,8 @@ def _stabilize(desired: int, current: int, now: float, policy: AutoscalingPolicy
     """HPA's windows: scale down only to the highest recommendation of the down window, and up only to the
     lowest of the up window (a burst skips the up window)."""
     horizon = max(policy.scale_up_stabilization_s, policy.scale_down_stabilization_s)
+    if not state.recommendations:  # as HPA: a fresh history starts at the current size (no restart scale-down)
+        state.recommendations.append((now, current))
     state.recommendations = [(t, r) for t, r in state.recommendations if t > now - horizon]
     state.recommendations.append((now, desired))
     if desired < current:

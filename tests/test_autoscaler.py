@@ -53,6 +53,13 @@ def test_scale_down_waits_for_the_stabilization_window_then_halves_at_most() -> 
     assert d.desired == 4 and d.reason.startswith("down")
 
 
+def test_a_fresh_autoscaler_does_not_scale_down_before_its_window() -> None:
+    """An operator restart must not halve an idle-looking fleet at once (HPA seeds its history the same way)."""
+    state = AutoscalerState()
+    assert recommend(obs(0, [0.05] * 8), POLICY, state).desired == 8
+    assert recommend(obs(301, [0.05] * 8), POLICY, state).desired == 4
+
+
 def test_scale_down_with_no_window_is_immediate() -> None:
     policy = AutoscalingPolicy(min_replicas=1, max_replicas=10, scale_down_stabilization_s=0)
     assert recommend(obs(0, [0.1] * 4), policy, AutoscalerState()).desired == 2

@@ -50,18 +50,38 @@ def test_strict_priority_and_fcfs_across_two_replicas_sharing_one_redis(redis_se
             order: list[str] = []
             waiters = asyncio.gather(wait_all(a, [e for q, e in entries if q is a], order),
                                      wait_all(b, [e for q, e in entries if q is b], order))
-            for i in range(7):  # capacity for one at a time, seen alternately by either replica
-                await (a if i % 2 else b).release(1)
+            for i in range(7):  # room for one at a time, seen alternately by either replica after each scrape
                 for _ in range(100):
                     if len(order) == i + 1:
                         break
-                    await asyncio.sleep(0.01)
+                    await (a if i % 2 else b).release(1)  # a no-op within the window of the last release
+                    await asyncio.sleep(0.02)
             outcomes = await waiters
             assert all(o is Outcome.GRANTED for group in outcomes for o in group)
             expected = [e.id for _, e in sorted(entries, key=lambda qe: qe[1].score)]
             assert order == expected
             assert [e.priority for _, e in sorted(entries, key=lambda qe: qe[1].score)] == [C, C, C, S, S, S, X]
             assert await a.refresh_counts() == 0
+        finally:
+            await a.stop()
+            await b.stop()
+    asyncio.run(scenario())
+
+
+def test_replicas_that_see_the_same_room_release_it_once_between_them(redis_server) -> None:
+    async def scenario() -> None:
+        a, b = replica(redis_server.url, "a"), replica(redis_server.url, "b")
+        a.release_window_ms = b.release_window_ms = 300
+        await a.start()
+        await b.start()
+        try:
+            for q in (a, b, a, b):
+                await q.enqueue(S, 30_000)
+            first = await a.release(2)  # both saw room for 2 at their last scrape
+            second = await b.release(2)
+            assert len(first) == 2 and second == []
+            await asyncio.sleep(0.35)  # the next scrape interval: room is fresh again
+            assert len(await b.release(2)) == 2
         finally:
             await a.stop()
             await b.stop()
