@@ -46,7 +46,10 @@ class FleetQueue:
         self.heartbeat_ms = heartbeat_ms
         self.release_window_ms = 100  # about one scrape interval; the gateway sets it from its config
         self.on_backend_change = on_backend_change
-        self.client = Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0) if redis_url else None
+        # health_check_interval: a pooled connection idle for a second is pinged before use, so connections left
+        # from before a Redis restart are found dead before a real command meets them
+        self.client = Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0,
+                                     health_check_interval=1) if redis_url else None
         self.redis = RedisQueue(self.client, fleet, gateway_id) if self.client else None
         self.using_redis = False
         self.redis_error: str | None = None if redis_url else "no Redis configured"
@@ -58,6 +61,7 @@ class FleetQueue:
         self._released_at: deque[float] = deque(maxlen=256)
         self._tasks: list[asyncio.Task] = []
         self._seq = 0
+        self._restore_failures = 0
 
     # ---- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -208,13 +212,17 @@ class FleetQueue:
         try:
             await self._restore()
         except REDIS_DOWN as err:
-            if self.redis_error is None or not self.redis_error.startswith("Redis unreachable"):
-                self.redis_error = f"Redis unreachable ({type(err).__name__}: {err}); queueing in this process"
-                log.warning("%s", self.redis_error)
+            self.redis_error = f"Redis unreachable ({type(err).__name__}: {err}); queueing in this process"
+            self._restore_failures += 1
+            if self._restore_failures % 10 == 1:  # the first failure of an outage, then every ten seconds
+                log.warning("%s (attempt %d to move back)", self.redis_error, self._restore_failures)
         except Exception as err:
             log.warning("Redis answered but the queue could not move back yet: %s: %s", type(err).__name__, err)
 
     async def _restore(self) -> None:
+        # Pooled connections from before the outage are dead; a restore that met them one by one would take as
+        # many attempts as the pool had connections, and go back to degraded on the next stale one.
+        await self.client.connection_pool.disconnect()
         await self.client.ping()
         await self.redis.heartbeat(self.heartbeat_ms)
         while len(self.local):
@@ -228,6 +236,7 @@ class FleetQueue:
                     self.local.enqueue(entry, cap=None)
                 raise
         self._counts = await self.redis.counts()
+        self._restore_failures = 0
         was_degraded = self.redis_error is not None
         self.using_redis, self.redis_error = True, None
         if was_degraded:

@@ -289,3 +289,26 @@ def test_a_gateway_started_without_reachable_redis_serves_from_the_in_process_qu
         finally:
             await q.stop()
     asyncio.run(scenario())
+
+
+def test_after_redis_returns_stale_pooled_connections_do_not_knock_the_queue_back_to_local(redis_server) -> None:
+    async def scenario() -> None:
+        q = replica(redis_server.url, "a")
+        await q.start()
+        try:
+            await asyncio.gather(*(q.refresh_counts() for _ in range(12)))  # a pool of many connections
+            redis_server.stop()
+            await q.refresh_counts()
+            assert q.backend == "local"
+            redis_server.start()
+            for _ in range(40):
+                if q.backend == "redis":
+                    break
+                await asyncio.sleep(0.1)
+            assert q.backend == "redis"
+            await asyncio.gather(*(q.refresh_counts() for _ in range(12)))  # uses the pool again
+            await asyncio.sleep(1.5)  # heartbeats and a reconcile on the pool
+            assert q.backend == "redis"
+        finally:
+            await q.stop()
+    asyncio.run(scenario())
