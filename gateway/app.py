@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -126,7 +126,7 @@ class Gateway:
             if owner != self.config.gateway_id:  # another replica sends it; count it where it will likely go
                 url = self.forwarder.choose([], must=True)
                 if url is not None:
-                    self.pool.endpoints[url].dispatched_since_scrape += 1
+                    self.pool.record_expected(url)
 
     # ---- one request --------------------------------------------------------------------------------------
     async def handle(self, request: Request, path: str) -> Response:
@@ -170,7 +170,7 @@ class Gateway:
             await self._wait_in_queue(request, priority, max_queue_ms, has_capacity)
             released = True
         return await self.forwarder.forward(path, raw, dict(request.headers), request_id, hashes, released,
-                                            on_tokens=lambda n: self._count_tokens(key, n))
+                                            on_tokens=self._token_counter(key))
 
     async def _wait_in_queue(self, request: Request, priority: Priority, max_queue_ms: float,
                              has_capacity: bool) -> None:
@@ -230,11 +230,17 @@ class Gateway:
                                headers={"retry-after": str(verdict.retry_after_s)})
         return key
 
-    def _count_tokens(self, key: object | None, n: int) -> None:
-        if key is not None and self.limiter is not None and n > 0:
-            task = asyncio.create_task(self.limiter.record_tokens(key, n))
-            self._tasks.append(task)
-            task.add_done_callback(self._tasks.remove)
+    def _token_counter(self, key: object | None) -> Callable[[int], None] | None:
+        """Counts an answer's tokens against the key's limit; None (nothing to count) without limits."""
+        if key is None or self.limiter is None or getattr(key, "tpm", None) is None:
+            return None
+
+        def count(n: int) -> None:
+            if n > 0:
+                task = asyncio.create_task(self.limiter.record_tokens(key, n))
+                self._tasks.append(task)
+                task.add_done_callback(self._tasks.remove)
+        return count
 
     # ---- status -------------------------------------------------------------------------------------------
     def ready_body(self) -> dict:

@@ -55,6 +55,12 @@ class EndpointPool:
         state.load, state.scraped_at, state.scrape_error = load, now or time.monotonic(), None
         state.dispatched_since_scrape = 0
 
+    def record_expected(self, url: str) -> None:
+        """Another replica is about to send this engine a request: count it like one of ours until the scrape."""
+        state = self.endpoints.get(url)
+        if state is not None:
+            state.dispatched_since_scrape += 1
+
     def record_dispatch(self, url: str) -> None:
         state = self.endpoints.get(url)
         if state is not None:

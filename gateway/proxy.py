@@ -59,7 +59,7 @@ class Forwarder:
         return chosen.url if chosen else None
 
     async def forward(self, path: str, raw_body: bytes, headers: dict[str, str], request_id: str,
-                      hashes: list[bytes], released: bool, on_tokens: Callable[[int], None]) -> Response:
+                      hashes: list[bytes], released: bool, on_tokens: Callable[[int], None] | None) -> Response:
         """Sends to the chosen engine; a connection error, 5xx, or a busy answer is retried once elsewhere."""
         tried: set[str] = set()
         last_busy: tuple[str, httpx.Response] | None = None
@@ -109,7 +109,7 @@ class Forwarder:
             log.warning("ejecting engine %s for %.0f s after repeated failures", url, self.pool.eject_seconds)
             self.metrics.ejections.labels(url).inc()
 
-    async def _relay(self, upstream: Upstream, on_tokens: Callable[[int], None]) -> Response:
+    async def _relay(self, upstream: Upstream, on_tokens: Callable[[int], None] | None) -> Response:
         response = upstream.response
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
             try:
@@ -121,16 +121,18 @@ class Forwarder:
             finally:
                 await response.aclose()
             self._done(upstream.url, ok=True)
-            on_tokens(_usage_tokens(content))
+            if on_tokens is not None:
+                on_tokens(_usage_tokens(content))
             return _passthrough(response, content, upstream.url)
         return StreamingResponse(self._stream(upstream, on_tokens), status_code=response.status_code,
                                  headers=_returned(response, upstream.url), media_type="text/event-stream")
 
-    async def _stream(self, upstream: Upstream, on_tokens: Callable[[int], None]) -> AsyncIterator[bytes]:
+    async def _stream(self, upstream: Upstream, on_tokens: Callable[[int], None] | None) -> AsyncIterator[bytes]:
         ok, events = True, 0
         try:
             async for chunk in upstream.response.aiter_raw():
-                events += chunk.count(b"data: {")
+                if on_tokens is not None:
+                    events += chunk.count(b"data: {")
                 yield chunk
         except httpx.HTTPError as err:
             ok = False
@@ -140,7 +142,8 @@ class Forwarder:
         finally:
             await upstream.response.aclose()
             self._done(upstream.url, ok)
-            on_tokens(events)
+            if on_tokens is not None:
+                on_tokens(events)
 
 
 def _returned(response: httpx.Response, url: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvfleet.redis_server import RedisServer
+from kvfleet.redis_server import RedisServer, free_port
 
 
 @dataclass
@@ -49,12 +49,6 @@ class Child:
     proc: subprocess.Popen
     url: str
     log_path: Path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -30,9 +30,9 @@ def redis_server_binary() -> str:
     return found
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -40,7 +40,7 @@ class RedisServer:
     """Starts redis-server without persistence on 127.0.0.1; `stop()` (or the context manager) ends it."""
 
     def __init__(self, port: int | None = None, password: str | None = None):
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.password = password
         self._dir: str | None = None
         self.proc: subprocess.Popen | None = None

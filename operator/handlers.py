@@ -21,7 +21,7 @@ from kvfleet.operator.manifests import (
     build_deployment,
     build_service,
     drifted,
-    selector_labels,
+    selector_string,
 )
 from kvfleet.operator.observe import observe_fleet
 from kvfleet.operator.settings import OperatorConfig
@@ -40,10 +40,6 @@ def now_iso() -> str:
 def condition(type_: str, ok: bool, reason: str, message: str) -> dict:
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message,
             "lastTransitionTime": now_iso()}
-
-
-def selector_string(fleet: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector_labels(fleet).items())
 
 
 def _apply(kind: str, desired: dict, read, create, patch) -> str:

@@ -17,6 +17,11 @@ def selector_labels(fleet: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "kvfleet-engine", "kvfleet.io/fleet": fleet}
 
 
+def selector_string(fleet: str) -> str:
+    """The label selector of a fleet's engine pods, as the API and the scale subresource take it."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(fleet).items())
+
+
 def deployment_name(fleet: str) -> str:
     return f"{fleet}-engine"
 

@@ -13,7 +13,7 @@ from kvfleet.gateway.load import METRICS_QUERY, MetricsParseError, parse_engine_
 from kvfleet.gateway.redis_queue import queue_key
 from kvfleet.operator.autoscaler import PodLoad
 from kvfleet.operator.fleet_spec import FleetSpec
-from kvfleet.operator.manifests import deployment_name, selector_labels
+from kvfleet.operator.manifests import deployment_name, selector_string
 
 log = logging.getLogger("kvfleet.operator")
 
@@ -46,9 +46,9 @@ def gateway_queued(redis_url: str | None, fleet: str) -> int:
 
 def observe_fleet(fleet: FleetSpec, redis_url: str | None, timeout_s: float) -> tuple[list[PodLoad], int, dict]:
     """(per-pod loads of the ready pods, the gateway's queued count, status fields)."""
-    selector = ",".join(f"{k}={v}" for k, v in selector_labels(fleet.name).items())
-    pods = client.CoreV1Api().list_namespaced_pod(namespace=fleet.namespace, label_selector=selector)
-    urls = [u for u in (pod_endpoint(client.ApiClient().sanitize_for_serialization(p)) for p in pods.items) if u]
+    pods = client.CoreV1Api().list_namespaced_pod(namespace=fleet.namespace,
+                                                  label_selector=selector_string(fleet.name))
+    urls = [u for u in (pod_endpoint(p) for p in pods.items) if u]
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
         loads = list(pool.map(lambda u: scrape_pod(u, timeout_s), urls))
     queued = gateway_queued(redis_url, fleet.name)
