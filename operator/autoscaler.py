@@ -3,9 +3,10 @@
 After Kubernetes' HPA: desired = ceil(current × observed / target) for each signal (KV-cache usage per pod,
 waiting requests per replica including the gateway's queue), the larger wins; no change within the tolerance;
 pods without metrics count as full when scaling down and as empty when scaling up; scale-up and scale-down
-stabilization windows; at most ×2 up and ÷2 down per step; clamped to [min, max]. After Knative's KPA: a burst
-(the latest load ≥ 2× the stable-window average) scales up at once and blocks scale-down for a while, and a
-fleet with minReplicas 0 goes to zero after an idle period and comes back as soon as the gateway holds requests.
+stabilization windows; at most ×2 up and ÷2 down per step (but always one pod); clamped to [min, max]. After
+Knative's KPA: a burst (the latest load ≥ 2× the stable-window average) scales up at once, without the ×2 cap,
+and blocks scale-down for a while, and a fleet with minReplicas 0 goes to zero after an idle period and comes
+back as soon as the gateway holds requests.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class AutoscalingPolicy:
     scale_up_stabilization_s: float = 0.0
     scale_down_stabilization_s: float = 300.0
     max_scale_up_factor: float = 2.0
-    max_scale_down_factor: float = 2.0
+    max_scale_down_factor: float = 2.0  # at most 2; a step always may remove one pod
+    panic_scale_up_factor: float = 1000.0  # KPA's max-scale-up-rate: in a burst, the ×2 cap does not apply
     panic_threshold: float = 2.0  # latest load / stable-window load that counts as a burst
     stable_window_s: float = 60.0
     panic_hold_s: float = 60.0  # no scale-down for this long after a burst
@@ -44,6 +46,10 @@ class AutoscalingPolicy:
             raise ValueError(f"tolerance must be in [0, 1), not {self.tolerance}")
         if self.scale_up_stabilization_s < 0 or self.scale_down_stabilization_s < 0:
             raise ValueError("stabilization windows must be >= 0 seconds")
+        if not (self.max_scale_up_factor > 1 and 1 < self.max_scale_down_factor <= 2
+                and self.panic_scale_up_factor >= self.max_scale_up_factor):
+            raise ValueError("scale factors must be > 1, the scale-down factor at most 2, and the burst factor at "
+                             "least the scale-up factor")
 
 
 @dataclass(frozen=True)
@@ -169,8 +175,9 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
     if desired < current and panic:
         desired, reason = current, "burst hold: no scale-down right after a burst"
     if current > 0 and desired > 0:
-        desired = min(desired, max(current + 1, math.floor(current * policy.max_scale_up_factor)))
-        desired = max(desired, math.ceil(current / policy.max_scale_down_factor))
+        up_factor = policy.panic_scale_up_factor if burst else policy.max_scale_up_factor
+        desired = min(desired, max(current + 1, math.floor(current * up_factor)))
+        desired = max(desired, min(current - 1, math.ceil(current / policy.max_scale_down_factor)))
     floor = policy.min_replicas if not (desired == 0 and policy.min_replicas == 0) else 0
     clamped = min(policy.max_replicas, max(floor, desired))
     if clamped != desired:

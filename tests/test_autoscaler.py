@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -42,15 +44,38 @@ def test_scale_up_is_at_most_double_per_step() -> None:
     assert d.desired == 4
 
 
-def test_scale_down_waits_for_the_stabilization_window_then_halves_at_most() -> None:
+@pytest.mark.parametrize(("down_factor", "expected"), [(2.0, 4), (1.25, 7)])
+def test_scale_down_waits_for_the_stabilization_window_then_steps_down_at_most_by_its_factor(
+        down_factor: float, expected: int) -> None:
+    policy = replace(POLICY, max_scale_down_factor=down_factor)
     state = AutoscalerState()
     busy = obs(0, [0.7] * 8)
-    assert recommend(busy, POLICY, state).desired == 8
+    assert recommend(busy, policy, state).desired == 8
     idle = [0.05] * 8
     for t in range(15, 300, 15):
-        assert recommend(obs(t, idle), POLICY, state).desired == 8, t  # the busy recommendation is in the window
-    d = recommend(obs(315, idle), POLICY, state)
-    assert d.desired == 4 and d.reason.startswith("down")
+        assert recommend(obs(t, idle), policy, state).desired == 8, t  # the busy recommendation is in the window
+    d = recommend(obs(315, idle), policy, state)
+    assert d.desired == expected and d.reason.startswith("down")  # 8 ÷ 2; or ceil(8 / 1.25)
+
+
+def test_a_gentle_scale_down_factor_still_removes_a_pod_from_a_small_fleet() -> None:
+    policy = replace(POLICY, max_scale_down_factor=1.25, scale_down_stabilization_s=0)
+    d = recommend(obs(0, [0.0] * 3), policy, AutoscalerState())
+    assert d.desired == 2  # ceil(3 / 1.25) = 3 would never shrink it
+
+
+def test_a_burst_lifts_the_double_per_step_cap() -> None:
+    policy, state = replace(POLICY, max_replicas=64), AutoscalerState()
+    steady(state, policy, obs(0, [0.3, 0.3], running=2), range(0, 60, 15))
+    d = recommend(obs(60, [1.0, 1.0], running=60, waiting=40), policy, state)
+    assert d.panic and d.desired == 20 and d.reason.startswith("burst")  # (2 × 40) / 4 per replica, not ×2 = 4
+
+
+@pytest.mark.parametrize("bad", [{"max_scale_up_factor": 1.0}, {"max_scale_down_factor": 2.5},
+                                 {"max_scale_down_factor": 1.0}, {"panic_scale_up_factor": 1.5}])
+def test_policy_rejects_scale_factors_that_would_freeze_or_jump(bad: dict) -> None:
+    with pytest.raises(ValueError, match="scale factors"):
+        AutoscalingPolicy(**bad)
 
 
 def test_a_fresh_autoscaler_does_not_scale_down_before_its_window() -> None:
@@ -102,7 +127,7 @@ def test_a_burst_scales_up_at_once_and_blocks_scale_down_for_the_hold() -> None:
     state = AutoscalerState()
     steady(state, policy, obs(0, [0.7, 0.7], running=2), range(0, 60, 15))
     d = recommend(obs(60, [1.0, 1.0], waiting=10, running=4), policy, state)
-    assert d.panic and d.desired == 4 and d.reason.startswith("burst")  # up-window skipped
+    assert d.panic and d.desired == 5 and d.reason.startswith("burst")  # up-window and ×2 cap skipped: 20 / 4
     d = recommend(obs(75, [0.1] * 4, current=4, running=0), policy, state)
     assert d.desired == 4 and "burst hold" in d.reason
     d = recommend(obs(125, [0.1] * 4, current=4, running=0), policy, state)
