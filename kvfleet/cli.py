@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import uuid
+from pathlib import Path
 
 from kvfleet import __version__
 
@@ -149,12 +150,36 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
+    if args.kubernetes:
+        return _up_kubernetes(args)
+    if args.fleet_file:
+        raise ValueError("--fleet-file needs --kubernetes (the plain local fleet has no InferenceFleet)")
     from kvfleet.local_fleet import FleetSpec, run
 
     return run(FleetSpec(engines=args.engines, model=args.model, host=args.host, port=args.port,
                          max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                          max_num_seqs=args.max_num_seqs, fleet=args.fleet, routing=args.routing,
                          engine_args=args.engine_arg, gateway_args=args.gateway_arg))
+
+
+def _up_kubernetes(args: argparse.Namespace) -> int:
+    from kvfleet.local_cluster import ClusterSpec, default_fleet, run
+
+    if args.fleet_file:
+        import yaml
+
+        try:
+            manifest = yaml.safe_load(Path(args.fleet_file).read_text())
+        except (OSError, yaml.YAMLError) as err:
+            raise ValueError(f"--fleet-file {args.fleet_file}: {err}") from None
+        if not isinstance(manifest, dict) or manifest.get("kind") != "InferenceFleet" or not isinstance(
+                manifest.get("metadata"), dict) or not manifest["metadata"].get("name"):
+            raise ValueError(f"--fleet-file {args.fleet_file} must hold one InferenceFleet with metadata.name")
+    else:
+        manifest = default_fleet(args.fleet, args.model, max_replicas=args.engines, max_num_seqs=args.max_num_seqs,
+                                 kv_cache_memory=args.kv_cache_memory)
+    return run(ClusterSpec(manifest, namespace=args.namespace, host=args.host, port=args.port,
+                           autoscale_interval_s=args.autoscale_interval, gateway_args=args.gateway_arg))
 
 
 def _add_up_command(sub: argparse._SubParsersAction) -> None:
@@ -173,6 +198,13 @@ def _add_up_command(sub: argparse._SubParsersAction) -> None:
                    help="an extra `kvfleet engine` argument (repeatable), e.g. --engine-arg=--block-size=32")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="an extra `kvfleet gateway` argument (repeatable), e.g. --gateway-arg=--max-queue-ms=5000")
+    k = p.add_argument_group("Kubernetes path (--kubernetes): the operator and the gateway against an emulated API")
+    k.add_argument("--kubernetes", action="store_true",
+                   help="run the operator on an emulated Kubernetes API; engines follow the fleet's Deployment "
+                        "(--engines is then its maxReplicas)")
+    k.add_argument("--fleet-file", help="an InferenceFleet manifest to apply (default: a small CPU fleet)")
+    k.add_argument("--namespace", default="kvfleet")
+    k.add_argument("--autoscale-interval", type=float, default=15.0, help="seconds between autoscaling decisions")
     p.set_defaults(func=_up)
 
 

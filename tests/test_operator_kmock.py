@@ -12,21 +12,19 @@ Where KMock differs from a real API server, and what the test does about it:
 
 from __future__ import annotations
 
-import asyncio
 import http.server
-import json
 import os
 import subprocess
 import sys
 import threading
 import time
 
-import kmock
 import pytest
 from kubernetes import client
-from kubernetes.client import ApiClient, Configuration
+from kubernetes.client import ApiClient
 
 from kvfleet.gateway.redis_queue import queue_key
+from kvfleet.kube_emulator import KubeEmulator
 from kvfleet.redis_server import RedisServer
 from tests.conftest import free_port
 
@@ -37,33 +35,8 @@ FLEETS = ("kvfleet.io", "v1alpha1", NS, "inferencefleets")
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    box: dict = {}
-    stop = threading.Event()
-
-    def serve() -> None:
-        async def main() -> None:
-            async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
-                emulator.resources.load_bundled()
-                emulator.resources["kvfleet.io/v1alpha1/inferencefleets"] = {
-                    "kind": "InferenceFleet", "namespaced": True, "singular": "inferencefleet",
-                    "verbs": ["list", "watch", "get", "patch", "create", "delete", "update"],
-                    "subresources": ["status", "scale"]}
-                box["url"] = str(server.url).rstrip("/")
-                while not stop.is_set():
-                    await asyncio.sleep(0.05)
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while "url" not in box and time.monotonic() < deadline:
-        time.sleep(0.02)
-    kubeconfig = tmp_path_factory.mktemp("kube") / "config.json"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "k", "cluster": {"server": box["url"]}}],
-        "users": [{"name": "u", "user": {"token": "test"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    emulator = KubeEmulator().start()
+    kubeconfig = emulator.write_kubeconfig(tmp_path_factory.mktemp("kube") / "config.json")
     log = tmp_path_factory.mktemp("op") / "operator.log"
     liveness, metrics_port = free_port(), free_port()
     redis_server = RedisServer().start()
@@ -72,13 +45,12 @@ def api(tmp_path_factory):
          "--redis-url", redis_server.url,
          "--autoscale-interval", "1", "--liveness", f"http://127.0.0.1:{liveness}/healthz"],
         env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    config = Configuration(host=box["url"], api_key={"BearerToken": "test"})
     operator.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    yield ApiClient(config), operator, log, liveness, redis_server
+    yield emulator.api_client(), operator, log, liveness, redis_server
     operator.terminate()
     operator.wait(timeout=30)
     redis_server.stop()
-    stop.set()
+    emulator.stop()
 
 
 def eventually(check, timeout: float = 20.0):

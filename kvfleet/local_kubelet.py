@@ -1,0 +1,192 @@
+"""The controllers and kubelet of a one-machine cluster: engine Deployments in the API become engine processes.
+
+Against the API emulator (kvfleet/kube_emulator.py), which stores objects but runs nothing, this does what a
+ReplicaSet controller and the kubelet do for the operator's engine Deployments, and only that:
+- keeps `spec.replicas` engine processes per Deployment, running its container's command and args (host and
+  port swapped for 127.0.0.1 and a free port), each shown as a Pod with the template's labels, podIP 127.0.0.1
+  and the real port as the `http` container port;
+- marks a Pod Ready while its /ready answers 200 (the readiness probe), and writes the Deployment's status;
+- a Pod deleted through the API has its process stopped with SIGTERM (the engine drains, as after preStop);
+  a process that exits on its own has its Pod deleted, and a new one takes its place.
+Not emulated: scheduling, resources, images, other probes, rolling updates (a changed template is not rolled).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfleet.redis_server import free_port
+
+log = logging.getLogger("kvfleet.local")
+ENGINE_APP = "kvfleet-engine"
+
+
+@dataclass
+class PodProcess:
+    name: str
+    deployment: str
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    ready: bool = False
+
+
+def pods_to_stop(pods: list[PodProcess], desired: int) -> list[PodProcess]:
+    """A ReplicaSet's choice when it has too many: not-ready pods first, then the newest."""
+    surplus = len(pods) - desired
+    if surplus <= 0:
+        return []
+    order = sorted(range(len(pods)), key=lambda k: (pods[k].ready, -k))
+    return [pods[k] for k in order[:surplus]]
+
+
+def local_command(container: dict, port: int) -> list[str]:
+    """The container's command and args, listening on 127.0.0.1:port; `kvfleet` runs as this Python's module."""
+    argv = [*container.get("command", []), *container.get("args", [])]
+    if argv and argv[0] == "kvfleet":
+        argv = [sys.executable, "-m", "kvfleet.cli", *argv[1:]]
+    out, skip = [], False
+    for k, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg in ("--host", "--port") and k + 1 < len(argv):
+            skip = True
+            continue
+        out.append(arg)
+    return [*out, "--host", "127.0.0.1", "--port", str(port)]
+
+
+class LocalKubelet:
+    def __init__(self, api_client, namespace: str, run_dir: Path, env: dict[str, str] | None = None,
+                 period_s: float = 0.5) -> None:
+        from kubernetes import client
+
+        self.apps, self.core = client.AppsV1Api(api_client), client.CoreV1Api(api_client)
+        self.namespace, self.run_dir, self.period_s = namespace, run_dir, period_s
+        self.env = {**os.environ, **(env or {})}
+        self.pods: dict[str, PodProcess] = {}
+        self.stopping: list[PodProcess] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> LocalKubelet:
+        self._thread = threading.Thread(target=self._loop, name="kvfleet-local-kubelet", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.sync()
+            except Exception as err:  # the API may blink; the next round tries again
+                log.warning("local kubelet: %s", err)
+
+    def sync(self) -> None:
+        deployments = [d for d in self.apps.list_namespaced_deployment(self.namespace).items
+                       if (d.metadata.labels or {}).get("app.kubernetes.io/name") == ENGINE_APP]
+        listed = {p.metadata.name for p in self.core.list_namespaced_pod(self.namespace).items}
+        for pod in list(self.pods.values()):
+            if pod.name not in listed:  # deleted through the API: stop it gracefully
+                self._terminate(pod)
+            elif pod.proc.poll() is not None:  # died on its own: its Pod goes, a new one replaces it
+                log.warning("local kubelet: %s exited with %s (log %s)", pod.name, pod.proc.returncode, pod.log_path)
+                self._delete(pod)
+            else:
+                self._probe(pod)
+        for dep in deployments:
+            mine = [p for p in self.pods.values() if p.deployment == dep.metadata.name]
+            desired = dep.spec.replicas or 0
+            for pod in pods_to_stop(mine, desired):
+                self._delete(pod)
+            for _ in range(desired - len(mine)):
+                self._create(dep)
+            self._write_status(dep)
+        for gone in {p.deployment for p in self.pods.values()} - {d.metadata.name for d in deployments}:
+            for pod in [p for p in self.pods.values() if p.deployment == gone]:
+                self._delete(pod)
+        self.stopping = [p for p in self.stopping if p.proc.poll() is None]
+
+    def _create(self, dep) -> None:
+        from kubernetes import client
+
+        template = dep.spec.template
+        container = client.ApiClient().sanitize_for_serialization(template.spec.containers[0])
+        name = f"{dep.metadata.name}-{uuid.uuid4().hex[:5]}"
+        port = free_port()
+        env = {**self.env, **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}
+        env["HOME"] = self.env.get("HOME", "/tmp")  # the pod's HOME is its emptyDir; here the model cache is at ~
+        log_path = self.run_dir / f"{name}.log"
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen(local_command(container, port), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        ports = [{**p, "containerPort": port} if p.get("name") == "http" else p for p in container.get("ports", [])]
+        body = {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": self.namespace, "labels": dict(template.metadata.labels),
+                             "uid": str(uuid.uuid4()), "ownerReferences": []},
+                "spec": {"containers": [{**container, "ports": ports}]},
+                "status": {"phase": "Running", "podIP": "127.0.0.1",
+                           "conditions": [{"type": "Ready", "status": "False"}]}}
+        self.core.create_namespaced_pod(self.namespace, body)
+        self.pods[name] = PodProcess(name, dep.metadata.name, proc, port, log_path)
+        log.info("local kubelet: started %s on port %d", name, port)
+
+    def _probe(self, pod: PodProcess) -> None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{pod.port}/ready", timeout=1) as response:
+                ready = response.status == 200
+        except OSError:
+            ready = False
+        if ready != pod.ready:
+            pod.ready = ready
+            self.core.patch_namespaced_pod(pod.name, self.namespace, {"status": {
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}})
+
+    def _write_status(self, dep) -> None:
+        mine = [p for p in self.pods.values() if p.deployment == dep.metadata.name]
+        ready = sum(1 for p in mine if p.ready)
+        status = {"replicas": len(mine), "readyReplicas": ready, "availableReplicas": ready,
+                  "observedGeneration": dep.metadata.generation or 1}
+        current = dep.status.to_dict() if dep.status else {}
+        if (current.get("replicas"), current.get("ready_replicas")) != (len(mine), ready):
+            self.apps.patch_namespaced_deployment_status(dep.metadata.name, self.namespace, {"status": status})
+
+    def _delete(self, pod: PodProcess) -> None:
+        from kubernetes.client import ApiException
+
+        try:
+            self.core.delete_namespaced_pod(pod.name, self.namespace)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+        self._terminate(pod)
+
+    def _terminate(self, pod: PodProcess) -> None:
+        self.pods.pop(pod.name, None)
+        if pod.proc.poll() is None:
+            pod.proc.send_signal(signal.SIGTERM)
+            self.stopping.append(pod)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop syncing, then every engine (they drain), as a node shutting down."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for pod in list(self.pods.values()):
+            self._terminate(pod)
+        for pod in self.stopping:
+            try:
+                pod.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pod.proc.kill()
+                pod.proc.wait()
+        self.stopping = []
