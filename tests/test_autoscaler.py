@@ -64,6 +64,13 @@ def test_a_gentle_scale_down_factor_still_removes_a_pod_from_a_small_fleet() -> 
     assert d.desired == 2  # ceil(3 / 1.25) = 3 would never shrink it
 
 
+@pytest.mark.parametrize(("exponent", "expected"), [(0.5, 6), (1.0, 4)])
+def test_scale_down_on_kv_usage_is_damped(exponent: float, expected: int) -> None:
+    policy = replace(POLICY, scale_down_stabilization_s=0, kv_scale_down_exponent=exponent)
+    d = recommend(obs(0, [0.35] * 8), policy, AutoscalerState())
+    assert d.desired == expected  # ratio 0.5: ceil(8 × 0.5 ** 0.5) = 6; HPA's proportional rule: 4
+
+
 def test_a_burst_lifts_the_double_per_step_cap() -> None:
     policy, state = replace(POLICY, max_replicas=64), AutoscalerState()
     steady(state, policy, obs(0, [0.3, 0.3], running=2), range(0, 60, 15))
@@ -72,9 +79,10 @@ def test_a_burst_lifts_the_double_per_step_cap() -> None:
 
 
 @pytest.mark.parametrize("bad", [{"max_scale_up_factor": 1.0}, {"max_scale_down_factor": 2.5},
-                                 {"max_scale_down_factor": 1.0}, {"panic_scale_up_factor": 1.5}])
+                                 {"max_scale_down_factor": 1.0}, {"panic_scale_up_factor": 1.5},
+                                 {"kv_scale_down_exponent": 0.0}, {"kv_scale_down_exponent": 1.5}])
 def test_policy_rejects_scale_factors_that_would_freeze_or_jump(bad: dict) -> None:
-    with pytest.raises(ValueError, match="scale factors"):
+    with pytest.raises(ValueError, match="scale factors|exponent"):
         AutoscalingPolicy(**bad)
 
 
