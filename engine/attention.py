@@ -3,6 +3,7 @@
 A backend owns the KV cache tensors (one preallocated pool of blocks per layer) and computes
 attention for a ragged batch: decode sequences (one new token each) come first in the batch,
 then prefill chunks, each attending to its cached context and causally within itself.
+The Triton implementation (for GPUs) is in triton_attention.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class DecodeGroup:
     start: int
     end: int
     block_tables: torch.Tensor  # [n, max_blocks] padded with block 0
+    seq_lens: torch.Tensor  # [n] tokens in the cache after this step's write
     mask: torch.Tensor  # [n, max_blocks * block_size] additive: 0 to attend, -inf beyond each seq_len
 
 
@@ -35,8 +37,11 @@ class AttentionMetadata:
     prefill_block_tables: list[torch.Tensor]  # per prefill sequence: its blocks
 
 
-class TorchAttentionBackend:
-    """Paged attention with torch ops: blocks are gathered whole, so copies move 4 KiB rows, not single tokens."""
+class AttentionBackend:
+    """Owns the paged KV cache; subclasses compute attention over it in `forward`."""
+
+    # Blocks one decode group may span (its sequences x its longest block table); see ModelRunner.
+    decode_group_blocks: int
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -60,6 +65,19 @@ class TorchAttentionBackend:
             self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size * self.head_dim,
             dtype=self.dtype, device=self.device,
         )
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k and v [T, KVH, D] for the step's new tokens; returns [T, H * D]."""
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Paged attention with torch ops: blocks are gathered whole, so copies move 4 KiB rows, not single tokens."""
+
+    # Big enough to amortize the calls, small enough that the gathered K/V (x kv heads x 2) is still in cache
+    # when attention reads it.
+    decode_group_blocks = 256
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfleet.engine.attention_select import select_attention_backend
 from kvfleet.engine.block_manager import BlockManager
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.kv_capacity import KVCapacity, plan_kv_cache
@@ -53,10 +54,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        if config.attention_backend == "triton":
-            raise ValueError("--attention-backend triton is not built yet (its kernels are issue 7); use auto or torch")
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        self.attention_backend = select_attention_backend(config.attention_backend, self.device)
         self.model_dir = resolve_model(config.model)
         self.model_name = config.model
         self.tokenizer = Tokenizer(self.model_dir)
@@ -64,11 +64,12 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.model, self.backend = load_model(
             self.model_dir, self.model_config, config.block_size, self.max_model_len, self.dtype, self.device,
-            show_progress,
+            self.attention_backend, show_progress,
         )
         self.capacity = self._plan_kv_cache()
         self.backend.allocate_kv_cache(self.capacity.num_blocks)
         log.info("%s", self.capacity.describe())
+        log.info("attention backend: %s", self.attention_backend)
         self.block_manager = BlockManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_waiting,

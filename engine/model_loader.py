@@ -11,7 +11,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from kvfleet.engine.attention import TorchAttentionBackend
+from kvfleet.engine.attention import AttentionBackend
+from kvfleet.engine.attention_select import build_attention_backend
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.models.llama import LlamaForCausalLM
 from kvfleet.engine.packed_linear import can_pack, pack_linears
@@ -56,11 +57,11 @@ def iter_safetensors(model_dir: Path, show_progress: bool = True) -> Iterator[tu
 
 
 def load_model(model_dir: Path, config: ModelConfig, block_size: int, max_positions: int,
-               dtype: torch.dtype, device: torch.device, show_progress: bool = True
-               ) -> tuple[LlamaForCausalLM, TorchAttentionBackend]:
-    backend = TorchAttentionBackend(
-        config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-        block_size, dtype, device,
+               dtype: torch.dtype, device: torch.device, attention_backend: str,
+               show_progress: bool = True) -> tuple[LlamaForCausalLM, AttentionBackend]:
+    backend = build_attention_backend(
+        attention_backend, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+        config.head_dim, block_size, dtype, device,
     )
     with torch.device(device):
         model = LlamaForCausalLM(config, backend, max_positions).to(dtype)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfleet.engine.attention import AttentionMetadata, DecodeGroup, TorchAttentionBackend
+from kvfleet.engine.attention import AttentionBackend, AttentionMetadata, DecodeGroup
 from kvfleet.engine.models.llama import LlamaForCausalLM
 from kvfleet.engine.sequence import Sequence
 
@@ -21,15 +21,12 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, backend: TorchAttentionBackend, device: torch.device,
-                 group_blocks: int = 256) -> None:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device) -> None:
         self.model = model
         self.backend = backend
         self.block_size = backend.block_size
         self.device = device
-        # Blocks one decode attention group may gather (x kv heads x 2): big enough to amortize the calls,
-        # small enough that the gathered K/V is still in cache when attention reads it.
-        self.group_blocks = group_blocks
+        self.group_blocks = backend.decode_group_blocks
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
@@ -90,7 +87,7 @@ class ModelRunner:
         seq_lens = self._tensor([seq.num_computed_tokens + 1 for seq in members])
         beyond = torch.arange(width * self.block_size, device=self.device)[None, :] >= seq_lens[:, None]
         mask = torch.zeros(beyond.shape, dtype=self.backend.dtype, device=self.device)
-        return DecodeGroup(start, end, tables, mask.masked_fill_(beyond, float("-inf")))
+        return DecodeGroup(start, end, tables, seq_lens, mask.masked_fill_(beyond, float("-inf")))
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

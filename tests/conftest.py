@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from kvfleet.engine.model_files import DEFAULT_MODEL, resolve_model
+# The kernel tests run Triton in its interpreter on CPU. Triton reads this when it is first imported, and torch and
+# transformers import it early, so it is set here, before any test module loads.
+os.environ["TRITON_INTERPRET"] = "1"
+
+from kvfleet.engine.model_files import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

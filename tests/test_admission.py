@@ -97,8 +97,3 @@ def test_capacity_counts_blocks_tokens_and_concurrency() -> None:
     assert (capacity.num_blocks, capacity.num_tokens, capacity.max_concurrency) == (64, 1024, 4.0)
     assert "64 blocks x 16 tokens = 1,024 tokens" in capacity.describe()
     assert "4.00 sequences of max_model_len 256" in capacity.describe()
-
-
-def test_unbuilt_attention_backend_is_refused_clearly(tiny_model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="--attention-backend triton is not built yet"):
-        make_engine(tiny_model_dir, attention_backend="triton")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet.engine.attention import AttentionMetadata, TorchAttentionBackend
+from kvfleet.engine.attention import AttentionBackend, AttentionMetadata
 from kvfleet.engine.model_config import ModelConfig
 
 
@@ -46,7 +46,7 @@ class RotaryEmbedding(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding,
-                 backend: TorchAttentionBackend) -> None:
+                 backend: AttentionBackend) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_attention_heads
@@ -80,7 +80,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding,
-                 backend: TorchAttentionBackend) -> None:
+                 backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer, rotary, backend)
@@ -93,7 +93,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: TorchAttentionBackend, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta)
