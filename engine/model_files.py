@@ -11,8 +11,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfleet.engine.gguf_convert import convert_gguf_to_hf
-
 DEFAULT_MODEL = "smollm2-135m-instruct"
 CONVERTER_VERSION = 1  # bump when the converted layout changes, so caches are rebuilt
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -115,6 +113,8 @@ def converted_model_dir(gguf_path: Path, cache_dir: Path, name: str) -> Path:
         final_dir.parent.mkdir(parents=True, exist_ok=True)
         build_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.building-", dir=final_dir.parent))
         try:
+            from kvfleet.engine.gguf_convert import convert_gguf_to_hf  # torch: only when converting
+
             convert_gguf_to_hf(gguf_path, build_dir)
             make_readable(build_dir)
         except BaseException:
