@@ -21,6 +21,21 @@ FLEET_RESOURCE = {"kind": "InferenceFleet", "namespaced": True, "singular": "inf
                   "subresources": ["status", "scale"]}
 
 
+def _emulator_class():
+    """KMock's emulator, with lists that say their kind, as kubectl requires (KMock 0.8 leaves it out)."""
+    import kmock
+
+    class Emulator(kmock.KubernetesEmulator):
+        async def _serve_list(self, request):  # noqa: ANN001, ANN202 - kmock's own signature
+            payload = await super()._serve_list(request)
+            wanted = request.resource
+            kinds = [info.kind for resource, info in self.resources.items() if resource == wanted]
+            version = f"{wanted.group}/{wanted.version}" if wanted.group else wanted.version
+            return {"apiVersion": version, "kind": f"{kinds[0]}List", **payload} if kinds else payload
+
+    return Emulator
+
+
 class KubeEmulator:
     """KMock's emulator and server on an asyncio loop of their own, in a daemon thread."""
 
@@ -49,7 +64,7 @@ class KubeEmulator:
     async def _main(self) -> None:
         import kmock
 
-        async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        async with _emulator_class()() as emulator, kmock.Server(emulator) as server:
             with warnings.catch_warnings():  # kmock 0.8 reads its bundled list with a deprecated importlib call
                 warnings.simplefilter("ignore", DeprecationWarning)
                 emulator.resources.load_bundled()

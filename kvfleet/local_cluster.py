@@ -8,6 +8,7 @@ The e2e scenarios (e2e/) run against this in CI, and against a kind cluster wher
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet.kube_emulator import KubeEmulator
-from kvfleet.local_fleet import port_is_free, tail
+from kvfleet.local_fleet import port_is_free, run_until_signal, tail
 from kvfleet.local_kubelet import LocalKubelet
 from kvfleet.operator.fleet_spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec, parse_fleet
 from kvfleet.redis_server import RedisServer, free_port
@@ -93,7 +94,8 @@ class LocalCluster:
             "--fleet", self.fleet_name, "--k8s-namespace", s.namespace,
             "--k8s-selector", f"kvfleet.io/fleet={self.fleet_name}", *s.gateway_args], env)
         self._wait(lambda: self._get(f"{self.url}/health"), "the gateway")
-        self._wait(lambda: self._get(f"{self.url}/ready"), "a ready engine pod behind the gateway")
+        if fleet["spec"].get("replicas", 1):  # the gateway is ready with no engine (it queues); wait for one
+            self._wait(lambda: self._healthy_engines() > 0, "a ready engine pod behind the gateway")
 
     def apply_fleet(self, fleet: dict) -> None:
         """Create the fleet; the emulator assigns no uid or generation, so they are set here (owner references
@@ -109,6 +111,13 @@ class LocalCluster:
         with open(self.run_dir / f"{name}.log", "w") as log:
             return subprocess.Popen([sys.executable, "-m", "kvfleet.cli", *args], stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def _healthy_engines(self) -> int:
+        try:
+            with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as response:
+                return int(json.load(response).get("healthy", 0))
+        except (OSError, ValueError):
+            return 0
 
     @staticmethod
     def _get(url: str) -> bool:
@@ -159,27 +168,12 @@ class LocalCluster:
 
 
 def run(spec: ClusterSpec) -> int:
-    stopping = {"now": False}
+    def banner(cluster: LocalCluster) -> str:
+        return (f"\nkvfleet (Kubernetes path, emulated API) is up: gateway {cluster.url}, fleet "
+                f"{cluster.fleet_name!r} in namespace {spec.namespace}\n"
+                f"  KUBECONFIG={cluster.kubeconfig}   (the operator, the gateway and the scenarios use it)\n"
+                f"  KVFLEET_E2E_GATEWAY_URL={cluster.url} KVFLEET_E2E_NAMESPACE={spec.namespace} "
+                f"KVFLEET_E2E_FLEET={cluster.fleet_name} KUBECONFIG={cluster.kubeconfig} python -m pytest e2e\n"
+                f"  logs: {cluster.run_dir}\nCtrl-C stops everything.")
 
-    def request_stop(signum: int, frame) -> None:  # noqa: ANN001 - signal handler signature
-        stopping["now"] = True
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    cluster = LocalCluster(spec)
-    try:
-        cluster.start()
-        print(f"\nkvfleet (Kubernetes path, emulated API) is up: gateway {cluster.url}, fleet {cluster.fleet_name!r} "
-              f"in namespace {spec.namespace}\n"
-              f"  KUBECONFIG={cluster.kubeconfig}   (the operator, the gateway and the scenarios use it)\n"
-              f"  KVFLEET_E2E_GATEWAY_URL={cluster.url} KVFLEET_E2E_NAMESPACE={spec.namespace} "
-              f"KVFLEET_E2E_FLEET={cluster.fleet_name} KUBECONFIG={cluster.kubeconfig} python -m pytest e2e\n"
-              f"  logs: {cluster.run_dir}\nCtrl-C stops everything.", file=sys.stderr, flush=True)
-        return cluster.watch(lambda: stopping["now"])
-    except RuntimeError as err:
-        print(f"kvfleet up: {err}", file=sys.stderr)
-        return 1
-    finally:
-        print("kvfleet up: stopping", file=sys.stderr, flush=True)
-        cluster.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return run_until_signal(LocalCluster(spec), banner)

@@ -167,24 +167,20 @@ def tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-def run(spec: FleetSpec) -> int:
+def run_until_signal(fleet, banner) -> int:
+    """Start a local fleet, print banner(fleet), serve until SIGINT/SIGTERM or a failure, then stop it all.
+    `fleet` has start(), watch(stop_requested) and stop(), as LocalFleet and LocalCluster do."""
     stopping = {"now": False}
 
     def request_stop(signum: int, frame) -> None:  # noqa: ANN001 - signal handler signature
         stopping["now"] = True
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    fleet = LocalFleet(spec)
     try:
         fleet.start()
         if stopping["now"]:
             return 0
-        body = json.dumps({"model": spec.model, "messages": [{"role": "user", "content": "Hi!"}]})
-        print(f"\nkvfleet fleet is up: {fleet.url}  ({spec.engines} engine(s) of {spec.model}, "
-              f"Redis {fleet.redis.url}, fleet {spec.fleet!r})\n"
-              f"  curl {fleet.url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'\n"
-              f"  metrics: {fleet.url}/metrics   logs: {fleet.run_dir}\n"
-              "Ctrl-C stops everything.", file=sys.stderr, flush=True)
+        print(banner(fleet), file=sys.stderr, flush=True)
         return fleet.watch(lambda: stopping["now"])
     except RuntimeError as err:
         print(f"kvfleet up: {err}", file=sys.stderr)
@@ -194,3 +190,15 @@ def run(spec: FleetSpec) -> int:
         fleet.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def run(spec: FleetSpec) -> int:
+    def banner(fleet: LocalFleet) -> str:
+        body = json.dumps({"model": spec.model, "messages": [{"role": "user", "content": "Hi!"}]})
+        return (f"\nkvfleet fleet is up: {fleet.url}  ({spec.engines} engine(s) of {spec.model}, "
+                f"Redis {fleet.redis.url}, fleet {spec.fleet!r})\n"
+                f"  curl {fleet.url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'\n"
+                f"  metrics: {fleet.url}/metrics   logs: {fleet.run_dir}\n"
+                "Ctrl-C stops everything.")
+
+    return run_until_signal(LocalFleet(spec), banner)
