@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
+from bench.plotting import finish, pyplot
 from kvfleet.operator.autoscaler import AutoscalerState, AutoscalingPolicy, Observation, PodLoad, recommend
 
 SLO_TTFT_S = 2.0
@@ -573,13 +574,8 @@ COLORS = {"kvfleet (min 1)": "tab:green", "kvfleet (min 0)": "tab:olive", "queue
 
 
 def chart(report: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'); no chart written")
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (over_time, cdf) = plt.subplots(1, 2, figsize=(16, 5.5), gridspec_kw={"width_ratios": [2.2, 1]})
     load = over_time.twinx()
@@ -604,18 +600,13 @@ def chart(report: dict, path: Path) -> Path | None:
     cdf.set(xscale="log", xlabel="TTFT (s, log scale)", ylabel="fraction of requests",
             title=f"TTFT CDF, {len(report['seeds'])} traces pooled")
     cdf.legend(fontsize=8, loc="lower right")
-    for ax in (over_time, cdf):
-        ax.grid(alpha=0.3)
     kv = report["runs"]["kvfleet (min 1)"]
     fig.suptitle(f"{report['requests']} requests in {len(report['seeds'])} traces, cold start "
                  f"{report['engine']['cold_start_s']} s; kvfleet (min 1): {kv['slo_attainment']:.2%} within "
                  f"{report['slo_ttft_s']:g} s at {kv['replica_seconds_vs_queue']:.2f}x the queue policy's replica-"
                  f"seconds (target >= {TARGET_SLO:.0%} at <= {TARGET_REPLICA_RATIO}x: "
                  f"{'met' if kv['meets_target'] else 'not met'})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish(fig, path, (over_time, cdf), legend_fontsize=None)
 
 
 if __name__ == "__main__":

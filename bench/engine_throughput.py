@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from bench.plotting import finish, pyplot
 from bench.workload import BenchRequest, RunResult, anyscale_workload
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
@@ -153,13 +154,8 @@ LABELS = {"hf-static": "HF generate, static batches of 8", "hf-continuous": "HF 
 
 
 def _chart(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'); no chart written")
+    plt = pyplot()
+    if plt is None:
         return
     systems = report["systems"]
     fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -172,8 +168,7 @@ def _chart(report: dict, path: Path) -> None:
     workload = report["workload"]
     ax.set_title(f"SmolLM2-135M fp32, 2 CPU threads: {workload['num_requests']} requests, "
                  f"{workload['useful_tokens']} useful tokens", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    finish(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import httpx
 
 from bench.fleet_procs import MODEL_NAME, BenchFleet, cpu_used, gateway_queue_waits, queue_waits_between
 from bench.loop_lag import describe_lag, with_loop_lag
+from bench.plotting import finish, pyplot
 from kvfleet.bench_report import percentile
 from kvfleet.loadgen import ENDPOINTS, LoadSpec, PlannedRequest, RequestRecord, make_prompts, send_one
 
@@ -320,13 +321,8 @@ def format_table(report: dict) -> str:
 
 
 def chart(report: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'); no chart written")
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (cdf, cpu) = plt.subplots(1, 2, figsize=(14, 5))
     for arm, color in zip(ARMS, ("tab:gray", "tab:green", "tab:blue"), strict=True):
@@ -351,13 +347,7 @@ def chart(report: dict, path: Path) -> Path | None:
                      va="bottom", fontsize=9)
     cpu.set(ylabel="CPU ms per request", ylim=(0, max(bottom) * 1.15),
             title=f"CPU per request at the peak (concurrency {report['peak_concurrency']}, max_tokens 1)")
-    for ax in (cdf, cpu):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish(fig, path, (cdf, cpu))
 
 
 if __name__ == "__main__":

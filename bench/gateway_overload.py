@@ -28,6 +28,7 @@ from pathlib import Path
 from bench.capacity import saturated_throughput
 from bench.fleet_procs import MODEL_NAME, BenchFleet, cpu_used, gateway_queue_waits, queue_waits_between
 from bench.loop_lag import describe_lag, with_loop_lag
+from bench.plotting import finish, pyplot
 from kvfleet.bench_report import CLASS_COLORS, REJECTION_MARKERS, summarize
 from kvfleet.loadgen import LoadSpec, RequestRecord, parse_priority_mix, run_load
 
@@ -157,13 +158,8 @@ def _s(value: float | None) -> str:
 
 
 def chart(report: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'); no chart written")
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (timeline, cdf) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 2]})
     records = report["overload"]["records"]
@@ -193,13 +189,7 @@ def chart(report: dict, path: Path) -> Path | None:
                        f"({report['rate'] / report['capacity_requests_per_s']:.1f}× capacity)")
     cdf.set(xscale="log", xlabel="TTFT (s, log)", ylabel="fraction of the class's 200 answers",
             title="TTFT CDF by class")
-    for ax in (timeline, cdf):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish(fig, path, (timeline, cdf), legend_fontsize=7)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 from bench.capacity import saturated_throughput
 from bench.fleet_procs import MODEL_NAME, BenchFleet, cpu_used
 from bench.loop_lag import describe_lag, with_loop_lag
+from bench.plotting import finish, pyplot
 from kvfleet.bench_report import summarize
 from kvfleet.loadgen import LoadSpec, run_load
 
@@ -150,13 +151,8 @@ def _x(value: float | None) -> str:
 
 
 def chart(report: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'); no chart written")
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (cdf, bars) = plt.subplots(1, 2, figsize=(13, 5))
     labels, groups = list(report["runs"]), ("TTFT p50", "TTFT p99", "e2e p50", "e2e p99")
@@ -175,18 +171,12 @@ def chart(report: dict, path: Path) -> Path | None:
             title="TTFT CDF per routing strategy")
     bars.set_xticks(range(len(groups)), groups)
     bars.set(ylabel="seconds", title="latency percentiles (lower is better)")
-    for ax in (cdf, bars):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
     seqs = ", ".join(str(e["max_num_seqs"]) for e in report["engines"].values())
     fig.suptitle(f"{len(report['engines'])} engines (max-num-seqs {seqs}), capacity "
                  f"{report['capacity_requests_per_s']:.1f} req/s, Poisson at {report['rate']:.1f} req/s "
                  f"({report['load']:.0%}); p99 TTFT kvfleet / round-robin = "
                  f"{_x(report['p99_ttft_ratio_kvfleet_to_round_robin'])}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish(fig, path, (cdf, bars))
 
 
 if __name__ == "__main__":
