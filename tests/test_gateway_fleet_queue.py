@@ -4,6 +4,7 @@ and its in-process fallback while Redis is away. No engines: capacity is whateve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import redis
@@ -21,6 +22,18 @@ def replica(url: str | None, name: str, fleet: str = "f", caps: dict | None = No
     return FleetQueue(url, fleet, name, aging_ms, caps or CAPS, heartbeat_ms=heartbeat_ms)
 
 
+@contextlib.asynccontextmanager
+async def running(*queues: FleetQueue):
+    """The replicas started, and stopped however the test ends."""
+    for queue in queues:
+        await queue.start()
+    try:
+        yield
+    finally:
+        for queue in queues:
+            await queue.stop()
+
+
 async def never_disconnects() -> bool:
     return False
 
@@ -36,9 +49,7 @@ async def wait_all(queue: FleetQueue, entries, order: list[str]) -> list[Outcome
 def test_strict_priority_and_fcfs_across_two_replicas_sharing_one_redis(redis_server) -> None:
     async def scenario() -> None:
         a, b = replica(redis_server.url, "a"), replica(redis_server.url, "b")
-        await a.start()
-        await b.start()
-        try:
+        async with running(a, b):
             plan = [(a, S), (b, S), (a, C), (b, X), (a, S), (b, C), (a, C)]
             entries = []
             for q, p in plan:
@@ -62,9 +73,6 @@ def test_strict_priority_and_fcfs_across_two_replicas_sharing_one_redis(redis_se
             assert order == expected
             assert [e.priority for _, e in sorted(entries, key=lambda qe: qe[1].score)] == [C, C, C, S, S, S, X]
             assert await a.refresh_counts() == 0
-        finally:
-            await a.stop()
-            await b.stop()
     asyncio.run(scenario())
 
 
@@ -72,9 +80,7 @@ def test_replicas_that_see_the_same_room_release_it_once_between_them(redis_serv
     async def scenario() -> None:
         a, b = replica(redis_server.url, "a"), replica(redis_server.url, "b")
         a.release_window_ms = b.release_window_ms = 300
-        await a.start()
-        await b.start()
-        try:
+        async with running(a, b):
             for q in (a, b, a, b):
                 await q.enqueue(S, 30_000)
             first = await a.release(2)  # both saw room for 2 at their last scrape
@@ -82,17 +88,13 @@ def test_replicas_that_see_the_same_room_release_it_once_between_them(redis_serv
             assert len(first) == 2 and second == []
             await asyncio.sleep(0.35)  # the next scrape interval: room is fresh again
             assert len(await b.release(2)) == 2
-        finally:
-            await a.stop()
-            await b.stop()
     asyncio.run(scenario())
 
 
 def test_a_long_waiting_request_overtakes_fresh_critical_ones_after_the_aging_window(redis_server) -> None:
     async def scenario() -> None:
         q = replica(redis_server.url, "a", aging_ms=200)
-        await q.start()
-        try:
+        async with running(q):
             old = await q.enqueue(S, 30_000)
             await asyncio.sleep(0.3)
             fresh = await q.enqueue(C, 30_000)
@@ -104,35 +106,29 @@ def test_a_long_waiting_request_overtakes_fresh_critical_ones_after_the_aging_wi
             await q.release(1)
             await task
             assert order == [old.id, fresh.id]
-        finally:
-            await q.stop()
     asyncio.run(scenario())
 
 
 def test_the_deadline_ends_the_wait_and_removes_the_entry(redis_server) -> None:
     async def scenario() -> None:
         q = replica(redis_server.url, "a")
-        await q.start()
-        try:
+        async with running(q):
             entry = await q.enqueue(S, 150)
             outcome = await q.wait(entry, never_disconnects)
             assert outcome is Outcome.EXPIRED
             assert await q.refresh_counts() == 0
             assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 0
-        finally:
-            await q.stop()
     asyncio.run(scenario())
 
 
 def test_a_client_that_disconnects_leaves_the_queue_at_once(redis_server) -> None:
     async def scenario() -> None:
         q = replica(redis_server.url, "a")
-        await q.start()
         gone = asyncio.Event()
 
         async def is_disconnected() -> bool:
             return gone.is_set()
-        try:
+        async with running(q):
             entry = await q.enqueue(C, 30_000)
             task = asyncio.ensure_future(q.wait(entry, is_disconnected))
             await asyncio.sleep(0.1)
@@ -140,8 +136,6 @@ def test_a_client_that_disconnects_leaves_the_queue_at_once(redis_server) -> Non
             gone.set()
             assert await asyncio.wait_for(task, 2.0) is Outcome.DISCONNECTED
             assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 0
-        finally:
-            await q.stop()
     asyncio.run(scenario())
 
 
@@ -149,17 +143,12 @@ def test_per_class_caps_are_fleet_wide(redis_server) -> None:
     async def scenario() -> None:
         caps = {C: 5, S: 2, X: 0}
         a, b = replica(redis_server.url, "a", caps=caps), replica(redis_server.url, "b", caps=caps)
-        await a.start()
-        await b.start()
-        try:
+        async with running(a, b):
             assert await a.enqueue(S, 30_000) is not None
             assert await b.enqueue(S, 30_000) is not None
             assert await a.enqueue(S, 30_000) is None  # the fleet's standard queue is full
             assert await b.enqueue(X, 30_000) is None
             assert await b.enqueue(C, 30_000) is not None
-        finally:
-            await a.stop()
-            await b.stop()
     asyncio.run(scenario())
 
 
@@ -167,9 +156,8 @@ def test_entries_of_a_replica_that_died_expire_and_do_not_block_the_queue(redis_
     async def scenario() -> None:
         dead = replica(redis_server.url, "dead", heartbeat_ms=300)
         live = replica(redis_server.url, "live")
-        await dead.start()
-        await live.start()
-        try:
+        await dead.start()  # never stopped: it dies
+        async with running(live):
             for _ in range(3):
                 await dead.enqueue(C, 60_000)
             for task in dead._tasks:  # the replica's process dies: no more heartbeats, nothing cleaned up
@@ -183,8 +171,6 @@ def test_entries_of_a_replica_that_died_expire_and_do_not_block_the_queue(redis_
             await waiting
             assert order == [survivor.id]
             assert await live.refresh_counts() == 0
-        finally:
-            await live.stop()
             if dead.client is not None:
                 await dead.client.aclose()
     asyncio.run(scenario())
@@ -194,16 +180,13 @@ def test_a_periodic_sweep_drops_a_dead_replicas_entries_even_without_capacity(re
     async def scenario() -> None:
         dead = replica(redis_server.url, "dead", heartbeat_ms=300)
         live = replica(redis_server.url, "live")
-        await dead.start()
-        await live.start()
-        try:
+        await dead.start()  # never stopped: it dies
+        async with running(live):
             await dead.enqueue(S, 60_000)
             for task in dead._tasks:
                 task.cancel()
             await asyncio.sleep(2.5)  # the live replica sweeps every other second
             assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 0
-        finally:
-            await live.stop()
             await dead.client.aclose()
     asyncio.run(scenario())
 
@@ -211,8 +194,7 @@ def test_a_periodic_sweep_drops_a_dead_replicas_entries_even_without_capacity(re
 def test_when_redis_dies_the_replica_queues_in_process_and_moves_back_when_it_returns(redis_server) -> None:
     async def scenario() -> None:
         q = replica(redis_server.url, "a")
-        await q.start()
-        try:
+        async with running(q):
             assert q.backend == "redis"
             first = await q.enqueue(S, 60_000)
             redis_server.stop()
@@ -236,16 +218,13 @@ def test_when_redis_dies_the_replica_queues_in_process_and_moves_back_when_it_re
             await q.release(2)
             await asyncio.wait_for(asyncio.gather(task, task2), 2.0)
             assert order == [second.id, first.id, third.id]
-        finally:
-            await q.stop()
     asyncio.run(scenario())
 
 
 def test_entries_redis_lost_in_a_quick_restart_are_put_back(redis_server) -> None:
     async def scenario() -> None:
         q = replica(redis_server.url, "a")
-        await q.start()
-        try:
+        async with running(q):
             entry = await q.enqueue(S, 60_000)
             redis.Redis.from_url(redis_server.url).flushall()  # as if Redis restarted between two calls
             for _ in range(60):
@@ -258,23 +237,18 @@ def test_entries_redis_lost_in_a_quick_restart_are_put_back(redis_server) -> Non
             await q.release(1)
             await asyncio.wait_for(task, 2.0)
             assert order == [entry.id]
-        finally:
-            await q.stop()
     asyncio.run(scenario())
 
 
 def test_without_redis_the_queue_is_in_process() -> None:
     async def scenario() -> None:
         q = replica(None, "solo")
-        await q.start()
-        try:
+        async with running(q):
             assert q.backend == "local"
             e = await q.enqueue(S, 60_000)
             task = asyncio.ensure_future(q.wait(e, never_disconnects))
             await q.release(1)
             assert await asyncio.wait_for(task, 1.0) is Outcome.GRANTED
-        finally:
-            await q.stop()
     asyncio.run(scenario())
 
 
@@ -282,20 +256,16 @@ def test_without_redis_the_queue_is_in_process() -> None:
 def test_a_gateway_started_without_reachable_redis_serves_from_the_in_process_queue(url: str) -> None:
     async def scenario() -> None:
         q = replica(url, "a")
-        await q.start()
-        try:
+        async with running(q):
             assert q.backend == "local" and "Redis unreachable" in q.redis_error
             assert await q.enqueue(S, 1000) is not None
-        finally:
-            await q.stop()
     asyncio.run(scenario())
 
 
 def test_after_redis_returns_stale_pooled_connections_do_not_knock_the_queue_back_to_local(redis_server) -> None:
     async def scenario() -> None:
         q = replica(redis_server.url, "a")
-        await q.start()
-        try:
+        async with running(q):
             await asyncio.gather(*(q.refresh_counts() for _ in range(12)))  # a pool of many connections
             redis_server.stop()
             await q.refresh_counts()
@@ -309,6 +279,4 @@ def test_after_redis_returns_stale_pooled_connections_do_not_knock_the_queue_bac
             await asyncio.gather(*(q.refresh_counts() for _ in range(12)))  # uses the pool again
             await asyncio.sleep(1.5)  # heartbeats and a reconcile on the pool
             assert q.backend == "redis"
-        finally:
-            await q.stop()
     asyncio.run(scenario())
