@@ -12,7 +12,7 @@ emulated Kubernetes API, engines as local processes), which is how CI on a machi
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -28,11 +28,15 @@ class Target:
     model: str
     on_kind: bool
     logs: str | None = None  # where the local cluster's logs are
+    _client: object = field(default=None, init=False, repr=False)
 
     def api_client(self):
-        from kubernetes import config
+        """One client for the whole session (the kubeconfig is read once)."""
+        if self._client is None:
+            from kubernetes import config
 
-        return config.new_client_from_config(config_file=self.kubeconfig)
+            self._client = config.new_client_from_config(config_file=self.kubeconfig)
+        return self._client
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,8 @@ import openai
 import pytest
 from kubernetes import client
 
-GROUP, VERSION, PLURAL = "kvfleet.io", "v1alpha1", "inferencefleets"
+from kvfleet.operator.fleet_spec import GROUP, PLURAL, VERSION
+
 LOAD_TIMEOUT_S = float(os.environ.get("KVFLEET_E2E_SCALE_TIMEOUT", "180"))
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.kernels.paged_reference import attend, gather_context
+from kvfleet.kernels.paged_tile import attend_tile
 
 LOG2E = 1.4426950408889634
 TILE_N = 64  # context tokens per loop iteration
@@ -54,21 +55,9 @@ def _decode_kernel(
     for tile in range(start, end, TILE_N):
         tokens = tile + tl.arange(0, TILE_N)
         valid = tokens < end
-        blocks = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        token_rows = cache_head + blocks * stride_cache_block + (tokens % BLOCK_SIZE) * HEAD_DIM
-        kv_offsets = token_rows[:, None] + dims[None, :]
-        kv_mask = valid[:, None] & in_dim[None, :]
-        # "ieee" keeps float32 caches exact (no TF32); half-precision inputs ignore it.
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        probs = tl.exp2(scores - new_max[:, None])
-        rescale = tl.exp2(running_max - new_max)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
-        running_sum = running_sum * rescale + tl.sum(probs, 1)
-        running_max = new_max
+        acc, running_sum, running_max = attend_tile(
+            q, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, tokens, valid, valid[None, :], dims,
+            in_dim, qk_scale, acc, running_sum, running_max, BLOCK_SIZE, HEAD_DIM)
 
     # A split past a shorter sequence's end saw no tokens: it stores zeros with a log-sum-exp of -inf.
     safe_sum = tl.where(running_sum > 0, running_sum, 1.0)

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.kernels.paged_reference import attend, gather_context
+from kvfleet.kernels.paged_tile import attend_tile
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 32  # queries per program
@@ -54,22 +55,11 @@ def _prefill_kernel(
     for tile in range(0, key_end, TILE_N):
         keys = tile + tl.arange(0, TILE_N)
         valid = keys < key_end
-        blocks = tl.load(table + keys // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        key_rows = cache_head + blocks * stride_cache_block + (keys % BLOCK_SIZE) * HEAD_DIM
-        kv_offsets = key_rows[:, None] + dims[None, :]
-        kv_mask = valid[:, None] & in_dim[None, :]
-        # "ieee" keeps float32 caches exact (no TF32); half-precision inputs ignore it.
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         # Key 0 is visible to every query, so no row is all -inf after the first tile.
-        scores = tl.where(valid[None, :] & (keys[None, :] <= positions[:, None]), scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        probs = tl.exp2(scores - new_max[:, None])
-        rescale = tl.exp2(running_max - new_max)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
-        running_sum = running_sum * rescale + tl.sum(probs, 1)
-        running_max = new_max
+        visible = valid[None, :] & (keys[None, :] <= positions[:, None])
+        acc, running_sum, running_max = attend_tile(
+            q, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, keys, valid, visible, dims, in_dim,
+            qk_scale, acc, running_sum, running_max, BLOCK_SIZE, HEAD_DIM)
 
     out_at = out_ptr + tokens_at * stride_out_token + head * stride_out_head + dims[None, :]
     tl.store(out_at, acc / running_sum[:, None], mask=q_mask)

@@ -71,6 +71,7 @@ class LocalKubelet:
                  period_s: float = 0.5) -> None:
         from kubernetes import client
 
+        self.api_client = api_client
         self.apps, self.core = client.AppsV1Api(api_client), client.CoreV1Api(api_client)
         self.namespace, self.run_dir, self.period_s = namespace, run_dir, period_s
         self.env = {**os.environ, **(env or {})}
@@ -117,10 +118,8 @@ class LocalKubelet:
         self.stopping = [p for p in self.stopping if p.proc.poll() is None]
 
     def _create(self, dep) -> None:
-        from kubernetes import client
-
         template = dep.spec.template
-        container = client.ApiClient().sanitize_for_serialization(template.spec.containers[0])
+        container = self.api_client.sanitize_for_serialization(template.spec.containers[0])
         name = f"{dep.metadata.name}-{uuid.uuid4().hex[:5]}"
         port = free_port()
         env = {**self.env, **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}
