@@ -101,5 +101,14 @@ class EndpointPool:
                 num_waiting=load.num_waiting if load else 0,
                 num_running=load.num_running if load else 0,
                 metrics_age_s=now - s.scraped_at if s.scraped_at is not None else float("inf"),
-                in_flight=s.dispatched_since_scrape, max_num_seqs=load.max_num_seqs if load else None))
+                in_flight=unseen(s), max_num_seqs=load.max_num_seqs if load else None))
         return out
+
+
+def unseen(s: EndpointState) -> int:
+    """Requests on their way to the engine that its last scrape did not show: those sent since the scrape, or, if
+    more, this gateway's open requests beyond everything the engine reported (a busy engine parses and queues new
+    requests late, so a fresh scrape can still miss many; counting them keeps a burst from flooding one engine)."""
+    if s.load is None:
+        return s.dispatched_since_scrape
+    return max(s.dispatched_since_scrape, s.open_requests - s.load.num_running - s.load.num_waiting)

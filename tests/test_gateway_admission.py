@@ -203,6 +203,19 @@ def test_dispatches_since_the_last_scrape_count_as_queue_until_the_next_scrape()
     assert pool.snapshots(now=1.11)[0].queue_depth == 1
 
 
+def test_open_requests_the_engine_has_not_shown_yet_count_as_queue_after_a_scrape() -> None:
+    pool = EndpointPool()
+    pool.set_urls(["http://a"])
+    for _ in range(10):
+        pool.record_dispatch("http://a")
+    pool.record_scrape("http://a", EngineLoad(0.1, 2, 3), now=1.0)  # a busy engine has parsed 5 of the 10
+    assert pool.snapshots(now=1.01)[0].queue_depth == 2 + 5
+    for _ in range(5):
+        pool.record_done("http://a", True)
+    pool.record_scrape("http://a", EngineLoad(0.1, 0, 7), now=1.1)  # 5 ours and 2 of another gateway, all shown
+    assert pool.snapshots(now=1.11)[0].queue_depth == 0
+
+
 def test_engines_that_leave_discovery_leave_the_pool() -> None:
     pool = EndpointPool()
     assert pool.set_urls(["http://a", "http://b"]) == ({"http://a", "http://b"}, set())
