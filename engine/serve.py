@@ -13,6 +13,7 @@ from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.http_server import server_config
 
 log = logging.getLogger("kvfleet.engine")
 
@@ -51,17 +52,10 @@ class DrainingServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
-# Longer than clients' idle keep-alive (httpx: 5 s, the gateway's pool: 30 s): a server that closes an idle
-# connection just as a client reuses it makes that request fail with no answer.
-KEEP_ALIVE_S = 75
-
-
 def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None = None,
           drain_timeout: float = 30.0, log_prompts: bool = False) -> int:
     state = ServerState(model_name=served_model_name or config.model)
-    server = DrainingServer(uvicorn.Config(build_app(state), host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=drain_timeout, timeout_keep_alive=KEEP_ALIVE_S),
-                            state)
+    server = DrainingServer(server_config(build_app(state), host, port, drain_timeout), state)
     failure: list = []
     loader = threading.Thread(target=_load, args=(config, state, server, f"http://{host}:{port}", failure, log_prompts),
                               name="kvfleet-loader", daemon=True)

@@ -9,19 +9,14 @@ import uvicorn
 
 from kvfleet.gateway.app import Gateway, build_app
 from kvfleet.gateway.config import GatewayConfig
-
-# Longer than clients' idle keep-alive (httpx: 5 s, the gateway's pool: 30 s): a server that closes an idle
-# connection just as a client reuses it makes that request fail with no answer.
-KEEP_ALIVE_S = 75
+from kvfleet.http_server import server_config
 
 
 def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30.0) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     gateway = Gateway(config)
     _attach_access_control(gateway)
-    server = uvicorn.Server(uvicorn.Config(build_app(gateway), host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=drain_timeout, backlog=4096,
-                                           timeout_keep_alive=KEEP_ALIVE_S))
+    server = uvicorn.Server(server_config(build_app(gateway), host, port, drain_timeout, backlog=4096))
     source = (f"{len(config.engines)} static engine(s)" if config.engines else
               f"pods {config.k8s_selector!r} in {config.k8s_namespace}" if config.k8s_selector else "no engines")
     print(f"kvfleet gateway: http://{host}:{port} -> {source}, fleet {config.fleet!r}, "
