@@ -33,8 +33,9 @@ DOCKERFILES = sorted((ROOT / "docker").glob("Dockerfile.*"))
 RELEASE, NAMESPACE = "kv", "llm"
 # The Kubernetes version the manifests are rendered for and validated against (the chart needs >= 1.29).
 KUBE_VERSION = "1.33.0"
-# Kinds from CRDs that kubernetes-validate has no schema for; checked by test_service_monitors_scrape_real_ports.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+# Kinds from CRDs that kubernetes-validate has no schema for; checked by test_service_monitors_scrape_real_ports
+# and the alert-rule tests.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 
 
@@ -488,6 +489,55 @@ def test_the_dashboard_uses_real_metric_names() -> None:
         assert topic in titles
 
 
+def alert_rules(docs) -> dict[str, dict]:
+    [rule] = find(docs, "PrometheusRule")
+    return {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+
+
+def test_the_alert_rules_parse_and_query_real_metrics_and_labels() -> None:
+    import promql_parser
+
+    docs = render(CHART / "ci" / "cluster-wide-values.yaml")
+    [rule] = find(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prometheus"  # what Prometheus selects rules by
+    rules = alert_rules(docs)
+    assert {"KvfleetKVCacheNearlyFull", "KvfleetTimeToFirstTokenHigh", "KvfleetGatewayQueueBacklog",
+            "KvfleetGatewayShedding", "KvfleetGatewayRedisDown", "KvfleetInvalidFleetSpec"} <= set(rules)
+    exported = exported_metric_names()
+    # The engines' ServiceMonitor copies each pod's fleet label onto its series, sanitized as Prometheus does.
+    [engines] = [m for m in find(docs, "ServiceMonitor") if m["metadata"]["name"].endswith("-engines")]
+    fleet_label = re.sub(r"[^a-zA-Z0-9_]", "_", engines["spec"]["podTargetLabels"][0])
+    for name, r in rules.items():
+        promql_parser.parse(r["expr"])  # raises on a syntax error
+        used = {m for m in re.findall(r"\bkvfleet_[a-z_]+", r["expr"])} - {"kvfleet_io_fleet"}
+        assert used and used <= exported, f"{name} queries metrics nobody exports: {sorted(used - exported)}"
+        if "kvfleet_io_fleet" in r["expr"]:
+            assert fleet_label == "kvfleet_io_fleet", name
+        assert r["labels"]["severity"] in ("warning", "critical")
+        assert r["annotations"]["summary"] and r["annotations"]["description"]
+    # The vLLM checklist's thresholds by default: KV above 90 %, p99 TTFT above 2 s, more than 10 queued.
+    assert rules["KvfleetKVCacheNearlyFull"]["expr"].endswith("> 0.9")
+    assert rules["KvfleetTimeToFirstTokenHigh"]["expr"].endswith("> 2")
+    assert rules["KvfleetGatewayQueueBacklog"]["expr"].endswith("> 10")
+
+
+def test_alert_thresholds_come_from_values_and_rules_follow_what_is_installed(tmp_path: Path) -> None:
+    values = tmp_path / "values.yaml"  # --set would pass 0.95 as a string
+    values.write_text("metrics:\n  prometheusRule:\n    enabled: true\n"
+                      "    thresholds: {kvCacheUsage: 0.95, ttftP99Seconds: 2, queueDepth: 50}\n")
+    rules = alert_rules(render(values))
+    assert rules["KvfleetKVCacheNearlyFull"]["expr"].endswith("> 0.95")
+    assert "95 %" in rules["KvfleetKVCacheNearlyFull"]["annotations"]["description"]
+    assert rules["KvfleetGatewayQueueBacklog"]["expr"].endswith("> 50")
+    # No Redis: the gateways queue in-process by design, so "Redis down" would always fire.
+    assert "KvfleetGatewayRedisDown" not in alert_rules(render(CHART / "ci" / "no-redis-values.yaml",
+                                                               ("metrics.prometheusRule.enabled=true",)))
+    # A gateway-only release has no operator to alert on.
+    gateway_only = alert_rules(render(CHART / "ci" / "gateway-only-values.yaml"))
+    assert "KvfleetInvalidFleetSpec" not in gateway_only and "KvfleetGatewayRedisDown" in gateway_only
+    assert not find(render(), "PrometheusRule")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bad values fail with a message that names the value
 
@@ -498,6 +548,7 @@ def test_the_dashboard_uses_real_metric_names() -> None:
     ("redis.external.url=http://redis:6379", "redis/external/url"),
     ("gateway.fleet=Not_A_Name", "gateway/fleet"),
     ("gatway.replicas=3", "gatway"),
+    ("metrics.prometheusRule.thresholds.kvCacheUsage=1.5", "metrics/prometheusRule/thresholds/kvCacheUsage"),
 ])
 def test_bad_values_are_refused_by_the_schema(setting: str, named: str) -> None:
     done = run_helm(*template_args(sets=(setting,)))
