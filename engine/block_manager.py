@@ -73,13 +73,22 @@ class BlockManager:
         self.prefix_queries += num_prompt_tokens
         self.prefix_hits += num_hit_tokens
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] | None = None) -> bool:
-        """Give seq blocks for num_new_tokens more tokens, after an optional cached prefix; False if they don't fit."""
-        cached_prefix = cached_prefix or []
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] | None = None) -> bool:
+        """Whether allocate() would succeed now."""
+        return self._new_blocks(seq, num_new_tokens, cached_prefix or []) is not None
+
+    def _new_blocks(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int]) -> int | None:
+        """Fresh blocks seq needs for num_new_tokens more tokens after cached_prefix; None if they are not free."""
         num_tokens = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
         num_new_blocks = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached_prefix)
         reclaimed = sum(1 for block_id in cached_prefix if self.blocks[block_id].ref_count == 0)
-        if num_new_blocks > self.num_free_blocks - reclaimed:
+        return None if num_new_blocks > self.num_free_blocks - reclaimed else num_new_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] | None = None) -> bool:
+        """Give seq blocks for num_new_tokens more tokens, after an optional cached prefix; False if they don't fit."""
+        cached_prefix = cached_prefix or []
+        num_new_blocks = self._new_blocks(seq, num_new_tokens, cached_prefix)
+        if num_new_blocks is None:
             return False
         for block_id in cached_prefix:
             self._take(block_id)

@@ -40,7 +40,8 @@ class _StatsCollector(Collector):
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
-            "kvfleet_num_preemptions": ("sequences preempted for KV blocks", stats.num_preemptions),
+            "kvfleet_num_preemptions": ("sequences preempted (for KV blocks or a higher-priority request)",
+                                        stats.num_preemptions),
             "kvfleet_prompt_tokens": ("prompt tokens of requests that produced a token", stats.prompt_tokens),
             "kvfleet_generation_tokens": ("tokens generated", stats.generation_tokens),
             "kvfleet_prefix_cache_queries": ("prompt tokens looked up in the prefix cache",

@@ -3,7 +3,9 @@
 One rule drives it, as in vLLM v1: each sequence's computed tokens catch up with its tokens
 within a per-step token budget. Running sequences go first (decode tokens and the rest of
 chunked prefills), then waiting ones are admitted by priority. When KV blocks run out the
-lowest-priority, latest-arrived running sequence is preempted and later recomputed.
+lowest-priority, latest-arrived running sequence is preempted and later recomputed. A waiting request that
+outranks a running one does not wait behind it (vLLM's priority policy): when the batch is full or its first
+chunk's blocks are not free, the lowest-priority running sequence is preempted to make room.
 """
 
 from __future__ import annotations
@@ -83,11 +85,15 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.running.sort(key=Sequence.sort_key)
+        if self._may_admit():
+            self._make_room_for_higher_priority(out)
+        out_of_blocks = False
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_new_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
+                out_of_blocks = True
                 victim = self.running.pop()  # lowest priority, latest arrival
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -97,9 +103,27 @@ class Scheduler:
                 out.scheduled.append((seq, num_new))
                 budget -= num_new
                 index += 1
-        if not out.preempted and self._may_admit():
+        if not out_of_blocks and self._may_admit():
             self._admit_waiting(out, budget)
         return out
+
+    def _make_room_for_higher_priority(self, out: SchedulerOutput) -> None:
+        """Preempt running sequences (lowest priority, latest arrival first) while the first waiting request
+        outranks them and could not be admitted otherwise. Equal priorities never preempt each other."""
+        while self._waiting and self.running:
+            head, victim = self._waiting[0][1], self.running[-1]
+            if head.priority >= victim.priority or self._could_admit(head):
+                return
+            self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+
+    def _could_admit(self, seq: Sequence) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        cached = self.block_manager.find_cached_prefix(seq)
+        num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self.max_num_batched_tokens)
+        return self.block_manager.can_allocate(seq, num_new, cached)
 
     def _may_admit(self) -> bool:
         """Static batching admits only while its batch is forming: until a member starts decoding."""
@@ -108,6 +132,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
+            if any(seq is victim for victim in out.preempted):  # made room for others this step: not back at once
+                break
             cached = self.block_manager.find_cached_prefix(seq)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached_tokens, budget)

@@ -380,6 +380,58 @@ def test_higher_priority_request_keeps_its_blocks() -> None:
     assert engine.finished[0] is urgent
 
 
+def run_alone(seq: Sequence, num_blocks: int, block_size: int) -> list[int]:
+    alone = make_engine(num_blocks=num_blocks, block_size=block_size)
+    alone.submit(copy := request(seq.request_id, seq.prompt_token_ids, seq.sampling_params.max_tokens))
+    alone.drain()
+    return copy.output_token_ids
+
+
+def test_a_critical_request_takes_a_slot_in_a_full_batch_from_the_latest_standard_one() -> None:
+    engine = make_engine(num_blocks=32, block_size=4, max_num_seqs=2)
+    first, second = request("first", [1] * 6, max_tokens=12), request("second", [2] * 6, max_tokens=12)
+    engine.submit(first)
+    engine.submit(second)
+    for _ in range(3):
+        engine.step()
+    critical = request("critical", [3] * 6, max_tokens=4, priority=-1)
+    engine.submit(critical)
+    plan = engine.step()
+    assert [s.request_id for s in plan.preempted] == ["second"]
+    assert critical in engine.scheduler.running and first in engine.scheduler.running
+    assert second not in [s for s, _ in plan.scheduled], "a victim is not readmitted in the step that preempted it"
+    engine.drain()
+    assert [s.request_id for s in engine.finished] == ["critical", "first", "second"]
+    for seq in (first, second, critical):
+        assert seq.output_token_ids == run_alone(seq, 32, 4), "recomputing must not change the output"
+
+
+def test_a_critical_request_takes_blocks_from_lower_priority_work_when_kv_is_full() -> None:
+    # 8 blocks of 2 tokens: two 6-token prompts growing to 8 tokens hold all of them; slots are free.
+    engine = make_engine(num_blocks=8, block_size=2, max_num_seqs=8)
+    low = [request(f"low{k}", [k + 1] * 6, max_tokens=3) for k in range(2)]
+    for seq in low:
+        engine.submit(seq)
+    engine.step()
+    critical = request("critical", [7] * 5, max_tokens=2, priority=-1)
+    engine.submit(critical)
+    engine.step()
+    assert critical in engine.scheduler.running and critical.num_preemptions == 0
+    assert low[1].num_preemptions == 1 and low[0].num_preemptions == 0
+    engine.drain()
+    assert engine.finished[0] is critical
+
+
+def test_equal_priorities_never_preempt_each_other_for_a_slot() -> None:
+    engine = make_engine(num_blocks=32, block_size=4, max_num_seqs=2)
+    for name in ("a", "b"):
+        engine.submit(request(name, [1] * 6, max_tokens=8))
+    engine.step()
+    engine.submit(late := request("late", [2] * 6, max_tokens=2))
+    engine.drain()
+    assert engine.scheduler.num_preemptions == 0 and engine.finished[-1] is late
+
+
 def test_full_waiting_queue_rejects_then_accepts_after_admission() -> None:
     engine = make_engine(num_blocks=8, block_size=4, max_num_waiting=1)
     engine.submit(request("a", [1, 2, 3], max_tokens=2))
