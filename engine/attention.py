@@ -8,6 +8,7 @@ The Triton implementation (for GPUs) is in triton_attention.py.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,17 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor  # [n, max_blocks] padded with block 0
     seq_lens: torch.Tensor  # [n] tokens in the cache after this step's write
-    mask: torch.Tensor  # [n, max_blocks * block_size] additive: 0 to attend, -inf beyond each seq_len
+    block_size: int
+    dtype: torch.dtype  # of the mask
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[n, max_blocks * block_size] additive: 0 to attend, -inf beyond each seq_len. Built on first use (the
+        torch backend's padded attention); the Triton kernels read seq_lens and never build it."""
+        width = self.block_tables.shape[1] * self.block_size
+        beyond = torch.arange(width, device=self.seq_lens.device)[None, :] >= self.seq_lens[:, None]
+        return torch.zeros(beyond.shape, dtype=self.dtype, device=self.seq_lens.device).masked_fill_(
+            beyond, float("-inf"))
 
 
 @dataclass

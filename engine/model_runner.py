@@ -85,9 +85,7 @@ class ModelRunner:
         width = max(len(seq.block_table) for seq in members)
         tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in members])
         seq_lens = self._tensor([seq.num_computed_tokens + 1 for seq in members])
-        beyond = torch.arange(width * self.block_size, device=self.device)[None, :] >= seq_lens[:, None]
-        mask = torch.zeros(beyond.shape, dtype=self.backend.dtype, device=self.device)
-        return DecodeGroup(start, end, tables, seq_lens, mask.masked_fill_(beyond, float("-inf")))
+        return DecodeGroup(start, end, tables, seq_lens, self.block_size, self.backend.dtype)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
