@@ -142,7 +142,7 @@ def test_sheddable_traffic_is_shed_under_overload_and_standard_is_served(target)
     overload = spec["replicas"] * (spec.get("engine", {}).get("maxNumSeqs", 128) + 8) + 8
     with ThreadPoolExecutor(overload) as pool, ThreadPoolExecutor(8) as side:
         standard = [pool.submit(chat, target, f"Tell a long tale about castle {k}.", 48) for k in range(overload)]
-        # The overload is on once the gateway holds requests in its queue (sending 56 requests takes a while on a
+        # The overload is on once the gateway holds requests in its queue (sending the burst takes a while on a
         # busy machine; a sheddable request routed before that would wait behind every standard one).
         eventually(lambda: gateway_queued(target) > 0 or all(f.done() for f in standard), LOAD_TIMEOUT_S,
                    "the gateway queued requests under the overload", target)

@@ -121,9 +121,13 @@ class Scheduler:
     def _could_admit(self, seq: Sequence) -> bool:
         if len(self.running) >= self.max_num_seqs:
             return False
-        cached = self.block_manager.find_cached_prefix(seq)
-        num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self.max_num_batched_tokens)
+        cached, num_new = self._first_chunk(seq, self.max_num_batched_tokens)
         return self.block_manager.can_allocate(seq, num_new, cached)
+
+    def _first_chunk(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
+        """A waiting sequence's cached prefix blocks, and the new tokens it would compute on admission."""
+        cached = self.block_manager.find_cached_prefix(seq)
+        return cached, min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
 
     def _may_admit(self) -> bool:
         """Static batching admits only while its batch is forming: until a member starts decoding."""
@@ -134,9 +138,8 @@ class Scheduler:
             seq = self._waiting[0][1]
             if any(seq is victim for victim in out.preempted):  # made room for others this step: not back at once
                 break
-            cached = self.block_manager.find_cached_prefix(seq)
+            cached, num_new = self._first_chunk(seq, budget)
             num_cached_tokens = len(cached) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_cached_tokens, budget)
             if not self.block_manager.allocate(seq, num_new, cached):
                 break
             heapq.heappop(self._waiting)

@@ -21,13 +21,13 @@ class EndpointSnapshot:
     num_waiting: int  # from /metrics
     num_running: int  # from /metrics
     metrics_age_s: float  # time since the last successful scrape
-    in_flight: int = 0  # requests this gateway sent since that scrape
+    in_flight: int = 0  # requests this gateway sent that the scrape does not show yet (endpoints.unseen)
     max_num_seqs: int | None = None  # the engine's batch capacity, when it exports it
 
     @property
     def queue_depth(self) -> int:
-        """Waiting requests as the engine will see them: the scraped queue plus this gateway's dispatches since
-        the scrape, less those that fit in the engine's free batch slots (when it says how many it has)."""
+        """Waiting requests as the engine will see them: the scraped queue plus this gateway's dispatches it did
+        not show yet, less those that fit in the engine's free batch slots (when it says how many it has)."""
         if self.max_num_seqs is None:
             return self.num_waiting + self.in_flight
         free_slots = max(0, self.max_num_seqs - self.num_running)
