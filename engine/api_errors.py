@@ -22,6 +22,14 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+ENGINE_FAULT_HEADER = "x-kvfleet-fault"
+
+
+def engine_fault(message: str) -> APIError:
+    """A 500 that is the engine's own fault (not the request's): marked so a gateway retries it elsewhere."""
+    return APIError(500, message, "server_error", code="engine_fault", headers={ENGINE_FAULT_HEADER: "engine"})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error a client can cause answers in OpenAI's shape."""
 

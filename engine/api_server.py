@@ -1,8 +1,9 @@
 """The engine's OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health and readiness.
 
-Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for invalid input, 404 for an
-unknown model or route, 413 for a body over the limit, 429 with Retry-After when the waiting queue is full, 503
-while loading or draining (docs/api.md).
+Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for invalid input or a request that
+failed alone in the engine, 401 without the engine token (when one is set), 404 for an unknown model or route, 413
+for a body over the limit, 429 with Retry-After when the waiting queue is full, 503 while loading or draining, 500
+with `x-kvfleet-fault: engine` when the engine itself failed (docs/api.md).
 """
 
 from __future__ import annotations
@@ -20,16 +21,27 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from kvfleet.engine.api_errors import APIError, install_error_handlers
-from kvfleet.engine.async_engine import AsyncEngine
+from kvfleet.engine.api_errors import APIError, engine_fault, install_error_handlers
+from kvfleet.engine.api_key import EngineAPIKey
+from kvfleet.engine.async_engine import AsyncEngine, EngineDeadError
 from kvfleet.engine.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvfleet.engine.llm_engine import RequestError
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.openai_responses import Reply, chat_body, chat_events, completion_body, completion_events, sse
 from kvfleet.engine.outputs import RequestOutput
-from kvfleet.engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from kvfleet.engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestSchemaError,
+    SamplingRequest,
+    check_against_model,
+    sampling_params,
+)
+from kvfleet.engine.request_checks import StrictJSONRoute, check_prompt_chars
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import QueueFullError
+from kvfleet.http_limits import BodyDeadline, HttpLimits
+from kvfleet.openai_schema import describe_unknown_fields
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 64  # prompts in one batched completions request
@@ -80,15 +92,22 @@ GENERATION_RESPONSES: dict = {
     400: {**_ERROR, "description": "invalid request"}, 404: {**_ERROR, "description": "unknown model"},
     413: {**_ERROR, "description": "body too large"}, 429: {**_ERROR, "description": "waiting queue full"},
     499: {"description": "the client went away before the answer"},
-    500: {**_ERROR, "description": "the engine failed this request"},
+    401: {**_ERROR, "description": "engine token missing or wrong (only when --api-key is set)"},
+    500: {**_ERROR, "description": "the engine failed (header x-kvfleet-fault: engine)"},
     503: {**_ERROR, "description": "loading or draining"},
 }
 
 
-def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None
+              ) -> FastAPI:
     app = FastAPI(title="kvfleet engine", version="0.1.0")
+    app.router.route_class = StrictJSONRoute  # generation bodies pass the strict schema before anything else
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyDeadline, seconds=HttpLimits().body_timeout_s)  # a body sent byte by byte: 408
+    if api_key:
+        app.add_middleware(EngineAPIKey, api_key=api_key)  # added last: runs first, before the body is read
     install_error_handlers(app)
+    install_engine_fault_handlers(app)
 
     @app.get("/health")
     async def health() -> dict:
@@ -118,6 +137,11 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         engine = state.require_engine()
         _check_model(state, body)
         prompts = _prompt_list(body.prompt)
+        _check_request(engine, body, len(prompts))
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                check_prompt_chars(len(prompt), engine.engine.max_model_len, engine.engine.tokenizer.max_token_chars,
+                                   "prompt" if len(prompts) == 1 else f"prompt.{i}")
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = _params(body, max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -131,8 +155,11 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         engine = state.require_engine()
         _check_model(state, body)
+        _check_request(engine, body, 1)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            check_prompt_chars(sum(len(m["content"]) for m in messages), engine.engine.max_model_len,
+                               engine.engine.tokenizer.max_token_chars, "messages")
             prompt = await asyncio.to_thread(engine.engine.tokenizer.apply_chat_template, messages)
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
@@ -171,12 +198,19 @@ def _include_usage(body: SamplingRequest) -> bool:
 
 def _check_model(state: ServerState, body: SamplingRequest) -> None:
     ignored = body.unknown_fields()
-    if ignored:  # newer clients send fields we do not know yet: serve them, and say so
+    if ignored:  # newer clients send fields we do not know yet: serve them, and say so (escaped, bounded)
         state.metrics.ignored_fields.inc(len(ignored))
-        log.warning("ignored unknown request fields: %s", ", ".join(ignored))
+        log.warning("ignored unknown request fields: %s", describe_unknown_fields(ignored))
     if body.model is not None and body.model != state.model_name:
-        raise APIError(404, f"The model `{body.model}` does not exist; this engine serves `{state.model_name}`",
-                       param="model", code="model_not_found")
+        raise APIError(404, f"The model `{body.model[:200]}` does not exist; this engine serves "
+                       f"`{state.model_name}`", param="model", code="model_not_found")
+
+
+def _check_request(engine: AsyncEngine, body: SamplingRequest, num_prompts: int) -> None:
+    try:
+        check_against_model(body, engine.engine.model_config.vocab_size, num_prompts)
+    except RequestSchemaError as err:
+        raise APIError(400, err.message, param=err.param) from None
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:
@@ -190,9 +224,9 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
 
 def _params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     try:
-        return body.sampling_params(max_tokens, logprobs)
-    except ValueError as err:
-        raise APIError(400, str(err)) from err
+        return sampling_params(body, max_tokens, logprobs)
+    except RequestSchemaError as err:
+        raise APIError(400, err.message, param=err.param) from None
 
 
 async def _start_choices(state: ServerState, engine: AsyncEngine, prompts: list[str | list[int]],
@@ -205,7 +239,8 @@ async def _start_choices(state: ServerState, engine: AsyncEngine, prompts: list[
             for copy in range(n):
                 choice_params = params
                 if params.seed is not None and copy:  # seeded copies differ from each other, reproducibly
-                    choice_params = dataclasses.replace(params, seed=params.seed + copy)
+                    # a 64-bit seed space wraps around, so seed 2**64 - 1 with n > 1 stays valid
+                    choice_params = dataclasses.replace(params, seed=(params.seed + copy) % 2**64)
                 index = p_index * n + copy
                 choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
                 streams.append(await _start(state, engine, prompt, choice_params, choice_id, priority))
@@ -228,6 +263,8 @@ async def _start(state: ServerState, engine: AsyncEngine, prompt: str | list[int
     except QueueFullError as err:
         state.metrics.rejected.labels("queue_full").inc()
         raise APIError(429, str(err), "rate_limit_exceeded", headers={"retry-after": "1"}) from err
+    except EngineDeadError as err:
+        raise engine_fault(str(err)) from err
 
     async def chained() -> AsyncIterator[RequestOutput]:
         try:
@@ -241,3 +278,16 @@ async def _start(state: ServerState, engine: AsyncEngine, prompt: str | list[int
 
 
 # --- errors -------------------------------------------------------------------------------------
+
+
+def install_engine_fault_handlers(app: FastAPI) -> None:
+    """The engine's own failures answer 500 with x-kvfleet-fault: engine, so a gateway may retry elsewhere."""
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, err: EngineDeadError) -> Response:
+        return engine_fault(str(err)).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception) -> Response:
+        log.error("unexpected error answering %s %s", request.method, request.url.path, exc_info=err)
+        return engine_fault("the engine failed unexpectedly; retry, and report it if it persists").response()

@@ -133,8 +133,8 @@ class AsyncEngine:
                 self.engine.abort_request(str(payload))
 
     def _fail_all(self, exc: Exception) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort_request(request_id)
+        # their streams get the error instead of the abort outputs, so a failing step is not retried forever
+        for request_id in self.engine.abort_all():
             self._push(request_id, EngineDeadError(f"the engine failed: {exc}"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

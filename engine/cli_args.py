@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 
+from kvfleet.engine.api_key import API_KEY_ENV
 from kvfleet.engine.config import DTYPES, EngineConfig, parse_size
 from kvfleet.engine.model_files import DEFAULT_MODEL
 
@@ -34,6 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require `Authorization: Bearer <key>` on /v1/* (default: ${API_KEY_ENV}; "
+                        "/health, /ready and /metrics stay open)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -43,4 +48,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         dtype=args.dtype, device=args.device, seed=args.seed, attention_backend=args.attention_backend,
+        api_key=getattr(args, "api_key", None),
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -53,6 +53,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Benchmark baseline: a batch of up to max_num_seqs forms, then runs until its longest member ends.
     static_batching: bool = False
+    # The HTTP server's shared token for /v1/* (None: open); kept out of repr so it never reaches a log.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):

@@ -20,7 +20,7 @@ from kvfleet.engine.model_loader import load_model, pick_device, pick_dtype
 from kvfleet.engine.model_runner import ModelRunner
 from kvfleet.engine.output_processor import RequestState
 from kvfleet.engine.outputs import RequestOutput
-from kvfleet.engine.sampler import Sampler
+from kvfleet.engine.sampler import Sampler, SampleResult
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import Scheduler
 from kvfleet.engine.sequence import Sequence
@@ -29,6 +29,9 @@ from kvfleet.engine.tokenizer import Tokenizer
 log = logging.getLogger("kvfleet.engine")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1024**3
+COMPUTE_ERROR = "the engine failed while computing this request"
+SAMPLER_ERROR = "the engine failed while sampling this request's next token"
+OUTPUT_ERROR = "the engine failed while turning this request's tokens into text"
 
 
 class RequestError(ValueError):
@@ -115,7 +118,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("the prompt is empty; send at least one token")
-            token_ids = self.tokenizer.encode(prompt)
+            try:
+                token_ids = self.tokenizer.encode(prompt)
+            except ValueError as err:
+                raise RequestError(str(err)) from err
         else:
             token_ids = list(prompt)
             vocab = self.model_config.vocab_size
@@ -150,6 +156,14 @@ class LLMEngine:
         state.finish("abort")
         self._finish(state)
 
+    def abort_all(self) -> list[str]:
+        """Abort every request in flight (the step failed for all) and drop their final outputs; their ids."""
+        request_ids = list(self.requests)
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        self._finished_outputs = []
+        return request_ids
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._finished_outputs)
 
@@ -182,7 +196,7 @@ class LLMEngine:
         return outputs
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        result = self.sampler(logits, seqs)
+        result = self._sample_isolating_failures(seqs, logits)
         for i, seq in enumerate(seqs):
             state = self.requests[seq.request_id]
             if i in result.errors:
@@ -190,8 +204,38 @@ class LLMEngine:
                 continue
             if not seq.output_token_ids:
                 self.prompt_tokens += seq.num_prompt_tokens
-            state.append_token(result.token_ids[i], result.logprobs[i])
+            try:  # detokenizing and stop checks run per request: a failure there is that request's alone
+                state.append_token(result.token_ids[i], result.logprobs[i])
+            except Exception:  # noqa: BLE001 - fail only this request
+                log.exception("request %s failed while its output was processed", seq.request_id)
+                state.finish("error", error=OUTPUT_ERROR)
+                continue
             self.generation_tokens += 1
+
+    def _sample_isolating_failures(self, seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
+        """Sample the batch; if the sampler raises, sample each row alone (random streams restored first), so a
+        row that raises fails by itself and the others get the tokens they would have got."""
+        generators = [(seq.generator, seq.generator.get_state()) for seq in seqs if seq.generator is not None]
+        shared = self.sampler.generator.get_state()
+        try:
+            return self.sampler(logits, seqs)
+        except Exception:  # noqa: BLE001 - isolate below
+            log.exception("sampling a batch of %d failed; sampling each request alone", len(seqs))
+        self.sampler.generator.set_state(shared)
+        for generator, state in generators:
+            generator.set_state(state)
+        result = SampleResult([-1] * len(seqs), {}, [None] * len(seqs))
+        for i, seq in enumerate(seqs):
+            try:
+                one = self.sampler(logits[i : i + 1], [seq])
+            except Exception:  # noqa: BLE001 - fail only this request
+                log.exception("sampling request %s failed", seq.request_id)
+                result.errors[i] = SAMPLER_ERROR
+                continue
+            result.token_ids[i], result.logprobs[i] = one.token_ids[0], one.logprobs[0]
+            if 0 in one.errors:
+                result.errors[i] = one.errors[0]
+        return result
 
     def _run_isolating_failures(self, scheduled: list[tuple[Sequence, int]]
                                 ) -> tuple[list[Sequence], torch.Tensor]:
@@ -202,7 +246,7 @@ class LLMEngine:
         except Exception:  # noqa: BLE001 - isolate below
             if len(scheduled) == 1:
                 log.exception("a step failed for request %s", scheduled[0][0].request_id)
-                self._fail(scheduled[0][0], "the engine failed while computing this request")
+                self._fail(scheduled[0][0], COMPUTE_ERROR)
                 return [], torch.empty(0)
             sample_seqs, rows, done = [], [], []
             for item in scheduled:
@@ -210,7 +254,7 @@ class LLMEngine:
                     seqs, one = self.runner.execute([item])
                 except Exception:  # noqa: BLE001 - fail only this request
                     log.exception("request %s failed inside a step", item[0].request_id)
-                    self._fail(item[0], "the engine failed while computing this request")
+                    self._fail(item[0], COMPUTE_ERROR)
                     continue
                 done.append(item)
                 sample_seqs += seqs

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
 
-from kvfleet.engine.api_errors import APIError
+from kvfleet.engine.api_errors import APIError, engine_fault
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.sampler import TokenLogprobs
 from kvfleet.engine.tokenizer import Tokenizer
+
+log = logging.getLogger("kvfleet.engine")
 
 
 @dataclass
@@ -71,13 +74,23 @@ async def _collect(stream: AsyncIterator[RequestOutput]) -> tuple[RequestOutput,
         text += out.text_delta
         token_ids += out.new_token_ids
         logprobs += out.logprobs
-    if out.finish_reason == "error":
-        raise APIError(500, f"the engine failed this request: {out.error}", "server_error")
+    if out is None or out.finish_reason == "error":
+        raise request_failure(out)
     return out, text, token_ids, logprobs
 
 
+async def _collect_all(streams: list[AsyncIterator[RequestOutput]]) -> list:
+    """Every choice's result; when one fails (or the caller is cancelled), the others are aborted, not left running."""
+    tasks = [asyncio.ensure_future(_collect(stream)) for stream in streams]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def completion_body(reply: Reply, streams: list[AsyncIterator[RequestOutput]]) -> dict:
-    results = await asyncio.gather(*(_collect(stream) for stream in streams))
+    results = await _collect_all(streams)
     choices = [{"index": i, "text": text, "logprobs": completion_logprobs(reply, token_ids, logprobs),
                 "finish_reason": out.finish_reason} for i, (out, text, token_ids, logprobs) in enumerate(results)]
     return {"id": reply.request_id, "object": "text_completion", "created": reply.created, "model": reply.model,
@@ -85,7 +98,7 @@ async def completion_body(reply: Reply, streams: list[AsyncIterator[RequestOutpu
 
 
 async def chat_body(reply: Reply, streams: list[AsyncIterator[RequestOutput]]) -> dict:
-    results = await asyncio.gather(*(_collect(stream) for stream in streams))
+    results = await _collect_all(streams)
     choices = [{"index": i, "message": {"role": "assistant", "content": text},
                 "logprobs": chat_logprobs(reply, token_ids, logprobs), "finish_reason": out.finish_reason}
                for i, (out, text, token_ids, logprobs) in enumerate(results)]
@@ -98,17 +111,22 @@ async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        ended: object = None
         try:
             async for out in stream:
                 await queue.put((index, out))
+        except Exception as err:  # noqa: BLE001 - handed to the reader, so the stream ends with an error
+            ended = err
         finally:
-            await queue.put((index, None))
+            await queue.put((index, ended))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     remaining = len(tasks)
     try:
         while remaining:
             index, out = await queue.get()
+            if isinstance(out, Exception):
+                raise out
             if out is None:
                 remaining -= 1
             else:
@@ -119,16 +137,33 @@ async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 
 
 def sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events, then [DONE]; a stream that cannot complete ends with an error event before [DONE]."""
+
     async def body() -> AsyncIterator[str]:
-        async for event in events:
-            yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+        except APIError as err:
+            yield f"data: {json.dumps(err.body())}\n\n"
+        except Exception as err:  # noqa: BLE001 - the engine's own failure: say so instead of cutting the stream
+            log.error("a stream failed", exc_info=err)
+            yield f"data: {json.dumps(engine_fault(f'the engine failed while streaming: {err}').body())}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
+def request_failure(out: RequestOutput | None) -> APIError:
+    """A request that failed alone in the engine (the others in its batch went on): its own fault, a 400.
+
+    Failing alone means its input made it fail: retrying it on another engine would fail there too.
+    """
+    reason = out.error if out is not None else "it ended without an output"
+    return APIError(400, f"this request failed in the engine: {reason}", param=None, code="request_failed")
+
+
 def _engine_failure(out: RequestOutput) -> dict:
-    return APIError(500, f"the engine failed this request: {out.error}", "server_error").body()
+    return request_failure(out).body()
 
 
 async def completion_events(reply: Reply, streams: list[AsyncIterator[RequestOutput]],

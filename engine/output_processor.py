@@ -65,8 +65,11 @@ class RequestState:
             self.finish("length")
 
     def finish(self, reason: str, stop_reason: str | int | None = None, error: str | None = None) -> None:
-        if not isinstance(stop_reason, str):  # a stop string already cut the text; else emit held-back bytes
-            self.text += self.detokenizer.flush()
+        if not isinstance(stop_reason, str) and reason != "error":  # a stop string already cut the text
+            try:
+                self.text += self.detokenizer.flush()  # emit held-back bytes
+            except Exception:  # noqa: BLE001 - this request's fault alone; it ends as an error
+                reason, error = "error", "the engine failed while turning this request's tokens into text"
         self.seq.finish_reason = reason
         self.seq.error = error
         self.stop_reason = stop_reason

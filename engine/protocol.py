@@ -1,105 +1,71 @@
-"""OpenAI-compatible request bodies (plus vLLM's extras), checked by pydantic, mapped onto SamplingParams."""
+"""Request bodies (the strict shared schema in kvfleet.openai_schema) checked against this model, and mapped onto
+SamplingParams."""
 
 from __future__ import annotations
 
-import math
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.openai_schema import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    RequestSchemaError,
+    SamplingRequest,
+    StreamOptions,
+)
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "RequestSchemaError", "SamplingRequest",
+           "StreamOptions", "check_against_model", "sampling_params"]
+
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+MAX_CHOICES = 128  # prompts x n in one request: each is an engine request
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+def check_against_model(body: SamplingRequest, vocab_size: int, num_prompts: int = 1) -> None:
+    """Refuse fields valid in type but impossible for this model; RequestSchemaError names the field."""
+    if body.top_k is not None and body.top_k not in (-1, 0) and not 1 <= body.top_k <= vocab_size:
+        raise RequestSchemaError(f"top_k must be -1 (no limit) or in [1, {vocab_size}] (the vocabulary), "
+                                 f"got {body.top_k}", "top_k")
+    for i, token_id in enumerate(body.stop_token_ids or []):
+        if not 0 <= token_id < vocab_size:
+            raise RequestSchemaError(f"stop_token_ids[{i}] must be a token id in [0, {vocab_size}), got {token_id}",
+                                     f"stop_token_ids.{i}")
+    bias = body.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise RequestSchemaError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(bias)}",
+                                 "logit_bias")
+    for key, value in bias.items():
+        if not key.isdigit() or not 0 <= int(key) < vocab_size:
+            raise RequestSchemaError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key[:32]!r}",
+                                     "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise RequestSchemaError(f"logit_bias values must be in [-100, 100], got {value} for token {key}",
+                                     "logit_bias")
+    if 1 <= body.n <= MAX_CHOICES < num_prompts * body.n:
+        raise RequestSchemaError(f"prompts x n must be at most {MAX_CHOICES}, got {num_prompts} x {body.n}", "n")
 
 
-class SamplingRequest(BaseModel):
-    """Fields shared by completions and chat completions; unknown fields are accepted and ignored."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    user: str | None = None
-    # vLLM's extras
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    priority: int = 0
-
-    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",
-                     "repetition_penalty")
-    @classmethod
-    def _finite(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
-
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
-
-    def sampling_params(self, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams for this body; ValueError names the field that is out of range."""
+def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams for this body; RequestSchemaError names the field that is out of range."""
+    try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop=self.stop or [],
-            stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p,
+            seed=body.seed,
+            stop=body.stop_list(),
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
             logprobs=logprobs,
-            n=self.n,
+            n=body.n,
+            logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         )
-
-
-class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        """The message's text; content parts of type text are joined, other parts are refused."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-
-    def effective_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    except ValueError as err:  # SamplingParams' messages start with the field's name
+        message = str(err)
+        field = message.split(" ", 1)[0].removesuffix("[]")
+        raise RequestSchemaError(message, field if field in SamplingRequest.model_fields or field in (
+            "max_tokens", "logprobs") else None) from err

@@ -13,6 +13,8 @@ import torch
 from kvfleet.engine.sampling_params import SamplingParams
 
 NON_FINITE_ERROR = "the model produced non-finite logits (NaN or inf) for this request"
+NON_FINITE_PROBS_ERROR = ("this request's sampling parameters (repetition_penalty, temperature, logit_bias) made its "
+                          "token probabilities non-finite; use values nearer the defaults")
 GREEDY_BELOW = 1e-5  # temperatures this small sample greedily, as in vLLM: dividing by them overflows
 BLOCK_LOGITS = 1 << 21  # logits sampled together (8 MB): their temporaries stay in cache and get reused
 CANDIDATE_WIDTHS = (256, 4096)  # top-p rows look for their nucleus among this many tokens before sorting
@@ -51,7 +53,11 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
-        """Pick one next token per row of logits [num_rows, vocab]; rows with NaN or inf fail alone."""
+        """Pick one next token per row of logits [num_rows, vocab]; rows with NaN or inf fail alone.
+
+        A row whose probabilities become non-finite after its penalties and temperature fails alone too:
+        it gets an error, never a token outside the vocabulary.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {list(logits.shape)}")
         logits = logits.float()  # the caller's tensor when already float32: never written to
@@ -62,20 +68,26 @@ class Sampler:
         for start in range(0, len(rows), block_rows):
             stop = min(start + block_rows, len(rows))
             ok = [i - start for i in range(start, stop) if i not in errors]
-            logprobs += self._sample_block(logits[start:stop], rows[start:stop], ok, chosen[start:stop])
+            block = chosen[start:stop]
+            self._sample_block(logits[start:stop], rows[start:stop], ok, block)
+            invalid = _invalid_rows(block, ok, logits.shape[1])
+            for i in invalid:
+                errors[start + i] = NON_FINITE_PROBS_ERROR
+                block[i] = -1
+            valid = [i for i in ok if i not in invalid] if invalid else ok
+            logprobs += _logprobs(logits[start:stop], block, rows[start:stop], valid)
         return SampleResult(chosen.tolist(), errors, logprobs)
 
     def _sample_block(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], ok: list[int], chosen: torch.Tensor
-    ) -> list[TokenLogprobs | None]:
-        """Write the tokens of rows ok into chosen and return the block's logprobs."""
+    ) -> None:
+        """Write the tokens of rows ok into chosen (-1 where a row's probabilities are not finite)."""
         greedy = [i for i in ok if rows[i].sampling_params.temperature < GREEDY_BELOW]
         random = [i for i in ok if rows[i].sampling_params.temperature >= GREEDY_BELOW]
         if greedy:
             chosen[greedy] = _greedy_tokens(logits, greedy, rows)
         if random:
             chosen[random] = self._random_tokens(logits, random, rows)
-        return _logprobs(logits, chosen, rows, ok)
 
     def _random_tokens(self, logits: torch.Tensor, idx: list[int], rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Rows idx after penalties, temperature, min_p, top-k and top-p, sampled by inverse CDF."""
@@ -85,6 +97,8 @@ class Sampler:
         sub = sub / temperatures if sub is logits else sub.div_(temperatures)
         _drop_below_min_p(sub, [p.min_p for p in params])
         probs = sub.softmax(dim=1)
+        # softmax spreads NaN over a whole row (an inf logit, or all -inf), so column 0 tells
+        broken = probs[:, 0].isnan()
         uniforms = self._uniforms([rows[i] for i in idx]).to(logits.device)
         top = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
         plain = [j for j, p in enumerate(params) if not (p.top_k > 0 or p.top_p < 1.0)]
@@ -94,10 +108,11 @@ class Sampler:
             last = torch.full((len(plain),), cdf.shape[1] - 1, device=logits.device)
             tokens[plain] = _inverse_cdf(cdf, last, uniforms[plain])
         if top:
-            top_k = torch.tensor([params[j].top_k for j in top], device=logits.device)
+            vocab = logits.shape[1]
+            top_k = torch.tensor([min(params[j].top_k, vocab) for j in top], device=logits.device)
             top_p = torch.tensor([params[j].top_p for j in top], device=logits.device)
             tokens[top] = _sample_top_k_top_p(_select(probs, top), top_k, top_p, uniforms[top])
-        return tokens
+        return tokens.masked_fill_(broken, -1)
 
     def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
         """One U[0, 1) draw per row; a row with its own generator draws only from it, whatever the batch."""
@@ -106,6 +121,15 @@ class Sampler:
             if row.generator is not None:
                 uniforms[j] = torch.rand(1, generator=row.generator, device=row.generator.device).item()
         return uniforms
+
+
+def _invalid_rows(chosen: torch.Tensor, ok: list[int], vocab: int) -> set[int]:
+    """Rows of ok whose token is not in the vocabulary (their probabilities were not finite)."""
+    if not ok:
+        return set()
+    picked = chosen[ok]
+    bad = ((picked < 0) | (picked >= vocab)).nonzero().flatten().tolist()
+    return {ok[j] for j in bad}
 
 
 def _non_finite_rows(logits: torch.Tensor) -> list[int]:
@@ -149,6 +173,11 @@ def _apply_penalties(logits: torch.Tensor, positions: list[int], rows: Sequence[
         flat[keys] = torch.where(values > 0, values / scale, values * scale)
     flat.index_add_(0, output_keys, -_vector([p.frequency_penalty for p in params], logits)[output_rows])
     flat[output_keys] = flat[output_keys] - _vector([p.presence_penalty for p in params], logits)[output_rows]
+    biased = [(positions[j], token, bias) for j, p in enumerate(params) for token, bias in p.logit_bias.items()
+              if 0 <= token < logits.shape[1]]
+    if biased:  # OpenAI's logit_bias: added to the logit after the penalties
+        keys = torch.tensor([pos * logits.shape[1] + token for pos, token, _ in biased], device=logits.device)
+        flat.index_add_(0, keys, _vector([bias for _, _, bias in biased], logits))
 
 
 def _token_keys(

@@ -28,6 +28,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     n: int = 1
     logprobs: int | None = None  # how many top logprobs to return per token (0-20)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,7 +39,7 @@ class SamplingParams:
             self.top_k = 0
         _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("n", self.n, low=1, high=128)
-        _check_int("top_k", self.top_k, low=0)
+        _check_int("top_k", self.top_k, low=0, high=2**31)  # the API bounds it by the vocabulary
         _check_float("temperature", self.temperature, 0.0, 100.0)
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_float("min_p", self.min_p, 0.0, 1.0)
@@ -55,6 +56,10 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, low=0, high=20)
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids[]", token_id, low=0)
+        self.logit_bias = dict(self.logit_bias)
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias key", token_id, low=0)
+            _check_float("logit_bias", bias, -100.0, 100.0)
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +71,7 @@ class SamplingParams:
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
         )
 
 

@@ -12,6 +12,7 @@ from kvfleet.engine.api_server import ServerState, build_app
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.request_checks import max_prompt_chars
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.http_server import server_config
 
@@ -25,6 +26,9 @@ def _load(config: EngineConfig, state: ServerState, server: uvicorn.Server, url:
         # Warm-up: one batch through the model before /ready says yes.
         engine.generate([[engine.tokenizer.bos_token_id or 0] * 8],
                         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        # the prompt-length bound scans the vocabulary once: here, not on the first request
+        log.info("prompts over %d characters are refused before tokenizing",
+                 max_prompt_chars(engine.max_model_len, engine.tokenizer.max_token_chars))
     except ValueError as err:  # a configuration the user can fix: say what, no traceback
         print(f"kvfleet: error: {err}", file=sys.stderr)
         failure.append(err)
@@ -55,7 +59,8 @@ class DrainingServer(uvicorn.Server):
 def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None = None,
           drain_timeout: float = 30.0, log_prompts: bool = False) -> int:
     state = ServerState(model_name=served_model_name or config.model)
-    server = DrainingServer(server_config(build_app(state), host, port, drain_timeout), state)
+    app = build_app(state, api_key=config.api_key)
+    server = DrainingServer(server_config(app, host, port, drain_timeout), state)
     failure: list = []
     loader = threading.Thread(target=_load, args=(config, state, server, f"http://{host}:{port}", failure, log_prompts),
                               name="kvfleet-loader", daemon=True)

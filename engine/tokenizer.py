@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,8 +28,24 @@ class Tokenizer:
             {*_as_ids(self._hf.eos_token_id), *_generation_config_eos_ids(self.model_dir)}
         )
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token can stand for (see prompt_limits)."""
+        tokens = self._hf.convert_ids_to_tokens(list(range(len(self._hf))))
+        longest = max((len(t) for t in tokens if isinstance(t, str)), default=1)
+        # a normalizer (NFC, NFKC, lowercasing...) may shorten text before it is split; allow for that
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        return longest * (1 if backend is not None and backend.normalizer is None else 4)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        """Token ids of text; ValueError (not the tokenizer's TypeError) for text that is not valid Unicode."""
+        try:
+            return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        except TypeError as err:  # the Rust tokenizer refuses str holding lone surrogates this way
+            if isinstance(text, str) and not _is_valid_unicode(text):
+                raise ValueError("the text contains a lone UTF-16 surrogate (such as \\ud800); send valid "
+                                 "UTF-8 text") from err
+            raise
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -115,6 +132,14 @@ class IncrementalDetokenizer:
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
+
+
+def _is_valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _as_ids(value: int | list[int] | None) -> list[int]:

@@ -1,0 +1,46 @@
+"""ASGI middleware: with a shared token set, every /v1/* route needs `Authorization: Bearer <token>`.
+
+/health, /ready and /metrics stay open (probes and Prometheus; a NetworkPolicy guards them). The token is compared in
+constant time; a missing or wrong one gets a 401 in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+API_KEY_ENV = "KVFLEET_ENGINE_API_KEY"
+PROTECTED_PREFIX = "/v1/"
+
+
+def is_authorized(authorization: bytes | None, token: bytes) -> bool:
+    """Whether an Authorization header value carries the token (scheme case-insensitive, as RFC 7235 says)."""
+    if authorization is None:
+        return False
+    scheme, _, credentials = authorization.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), token)
+
+
+class EngineAPIKey:
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.token = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith(PROTECTED_PREFIX):
+            headers = [value for name, value in scope.get("headers") or [] if name == b"authorization"]
+            if len(headers) != 1 or not is_authorized(headers[0], self.token):
+                await _unauthorized(send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _unauthorized(send) -> None:
+    body = json.dumps({"error": {
+        "message": "this engine needs `Authorization: Bearer <token>` with the fleet's engine API key "
+                   f"({API_KEY_ENV}); send the key the gateway was given",
+        "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}).encode()
+    await send({"type": "http.response.start", "status": 401, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"www-authenticate", b"Bearer")]})
+    await send({"type": "http.response.body", "body": body})
