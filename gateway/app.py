@@ -12,17 +12,18 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfleet.engine.api_errors import APIError, install_error_handlers
 from kvfleet.engine.body_limit import BodyLimit
 from kvfleet.gateway.admission import Action, admit, retry_after_seconds
+from kvfleet.gateway.client_gone import unless_client_leaves
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.fleet_queue import FleetQueue, Outcome
@@ -32,6 +33,9 @@ from kvfleet.gateway.priority import Priority, parse_priority
 from kvfleet.gateway.proxy import Forwarder
 from kvfleet.gateway.routing import available, free_slots
 from kvfleet.gateway.scraper import Scraper
+from kvfleet.gateway.usage import Settlement, ask_stream_usage, request_cost
+from kvfleet.http_limits import BodyDeadline
+from kvfleet.openai_schema import RequestSchemaError, parse_json, validate_request
 
 log = logging.getLogger("kvfleet.gateway")
 
@@ -77,7 +81,8 @@ class Gateway:
 
             self.limiter = RateLimiter(self.queue.client, c.fleet) if self.queue.client else InProcessRateLimiter()
         self.forwarder = Forwarder(c, self.client, self.pool, self.prefix, self.metrics)
-        self.scraper = Scraper(self.client, self.pool, c.scrape_interval_s, on_scrape=lambda url: self.poke())
+        self.scraper = Scraper(self.client, self.pool, c.scrape_interval_s, on_scrape=lambda url: self.poke(),
+                               unreachable_after_s=c.engine_unreachable_after_s)
         self.discovery = self.discovery or _discovery(c)
         self._tasks.append(asyncio.create_task(self.discovery.run(self.set_endpoints), name="discovery"))
         self._tasks.append(asyncio.create_task(self._release_ticker(), name="release ticker"))
@@ -148,29 +153,48 @@ class Gateway:
         max_queue_ms = self._max_queue_ms(request.headers.get("x-kvfleet-max-queue-ms"))
         key = await self._authenticate(request)
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise APIError(400, "the body is not valid JSON; send a JSON object") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object")
+        try:  # the engines' own strict schema: a body they would refuse never waits in the queue or costs a retry
+            body = parse_json(raw)
+            validate_request(path, body)
+        except RequestSchemaError as err:
+            raise APIError(400, err.message, param=err.param) from None
         hashes = self.prefix.block_hashes(prompt_text(body)) if self.config.routing == "kvfleet" else []
+        settlement = await self._limit(key, body)
+        changed = "priority" in body and not getattr(key, "allow_priority", False)
+        if changed:  # the gateway alone sets engine priority, unless the key may (allow_priority in the keys file)
+            del body["priority"]
         if self.config.forward_priority and ENGINE_PRIORITY[priority] and "priority" not in body:
             body["priority"] = ENGINE_PRIORITY[priority]  # the engine admits and preempts by it too
+            changed = True
+        if settlement is not None and ask_stream_usage(body):
+            settlement.hide_stream_usage = changed = True  # the count comes from the usage chunk, hidden again
+        if changed:
             raw = json.dumps(body).encode()
 
-        has_capacity = bool(available(self.pool.snapshots(), self.config.saturation))
-        counts = self.queue.counts()
-        verdict = admit(priority, has_capacity, sum(counts.values()), counts[priority],
-                        self.config.queue_caps[priority])
-        if verdict.action is Action.SHED:
-            raise self._shed(priority, verdict.reason, verdict.message)
-        released = False
-        if verdict.action is Action.QUEUE:
-            await self._wait_in_queue(request, priority, max_queue_ms, has_capacity)
-            released = True
-        return await self.forwarder.forward(path, raw, dict(request.headers), request_id, hashes, released,
-                                            on_tokens=self._token_counter(key))
+        sent = False
+        try:
+            has_capacity = bool(available(self.pool.snapshots(), self.config.saturation))
+            counts = self.queue.counts()
+            verdict = admit(priority, has_capacity, sum(counts.values()), counts[priority],
+                            self.config.queue_caps[priority])
+            if verdict.action is Action.SHED:
+                raise self._shed(priority, verdict.reason, verdict.message)
+            released = False
+            if verdict.action is Action.QUEUE:
+                await self._wait_in_queue(request, priority, max_queue_ms, has_capacity)
+                released = True
+            sent = True
+            response = await unless_client_leaves(request.receive, self.forwarder.forward(
+                path, raw, request.headers.raw, request_id, hashes, released, on_tokens=settlement))
+        except BaseException as err:
+            if settlement is not None and sent and isinstance(err, APIError) and err.status == 499:
+                settlement.abandoned()  # the engine worked for a client that left: its count is unknown
+            elif settlement is not None:
+                settlement.refund()  # refused, shed, timed out or failed before an answer: nothing was generated
+            raise
+        if settlement is not None and not isinstance(response, StreamingResponse):
+            settlement.refund()  # an answer the relay did not count (a busy engine's refusal); no-op once settled
+        return response
 
     async def _wait_in_queue(self, request: Request, priority: Priority, max_queue_ms: float,
                              has_capacity: bool) -> None:
@@ -220,27 +244,29 @@ class Gateway:
         if key is None:
             raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                            "authentication_error", code="invalid_api_key")
-        if self.limiter is not None:
-            verdict = await self.limiter.admit(key)
-            if not verdict.allowed:
-                self.metrics.shed.labels("any", f"rate_limit_{verdict.reason}").inc()
-                per = "requests" if verdict.reason == "rpm" else "tokens"
-                raise APIError(429, f"API key {key.key_id} is over its {per}-per-minute limit; retry in "
-                                    f"{verdict.retry_after_s} s", "rate_limit_exceeded", code=f"{verdict.reason}_limit",
-                               headers={"retry-after": str(verdict.retry_after_s)})
         return key
 
-    def _token_counter(self, key: object | None) -> Callable[[int], None] | None:
-        """Counts an answer's tokens against the key's limit; None (nothing to count) without limits."""
-        if key is None or self.limiter is None or getattr(key, "tpm", None) is None:
+    async def _limit(self, key: object | None, body: dict | None) -> Settlement | None:
+        """Admits a request against its key's rpm/tpm, reserving its cost; the Settlement settles it at the end."""
+        if key is None or self.limiter is None:
+            return None
+        cost = request_cost(body) if body is not None and getattr(key, "tpm", None) is not None else None
+        verdict = await self.limiter.admit(key, cost.tokens if cost else 0)
+        if not verdict.allowed:
+            self.metrics.shed.labels("any", f"rate_limit_{verdict.reason}").inc()
+            per = "requests" if verdict.reason == "rpm" else "tokens"
+            raise APIError(429, f"API key {key.key_id} is over its {per}-per-minute limit; retry in "
+                                f"{verdict.retry_after_s} s", "rate_limit_exceeded", code=f"{verdict.reason}_limit",
+                           headers={"retry-after": str(verdict.retry_after_s)})
+        reservation = verdict.reservation
+        if cost is None or reservation is None:
             return None
 
-        def count(n: int) -> None:
-            if n > 0:
-                task = asyncio.create_task(self.limiter.record_tokens(key, n))
-                self._tasks.append(task)
-                task.add_done_callback(self._tasks.remove)
-        return count
+        def settle(actual: int) -> None:  # called from sync code (the relay's end): Redis is written in a task
+            task = asyncio.create_task(self.limiter.settle(reservation, actual))
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+        return Settlement(cost, settle)
 
     # ---- status -------------------------------------------------------------------------------------------
     def ready_body(self) -> dict:
@@ -287,8 +313,11 @@ def build_app(gateway: Gateway) -> FastAPI:
         finally:
             await gateway.stop()
 
-    app = FastAPI(title="kvfleet gateway", version="0.1.0", lifespan=lifespan)
+    docs = gateway.config.enable_docs  # off by default: the API's shape is no business of anonymous clients
+    app = FastAPI(title="kvfleet gateway", version="0.1.0", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.add_middleware(BodyLimit, max_bytes=gateway.config.max_body_bytes)
+    app.add_middleware(BodyDeadline, seconds=gateway.config.http_limits.body_timeout_s)
     install_error_handlers(app)
 
     @app.get("/health")
@@ -305,13 +334,15 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        await gateway._authenticate(request)
+        await gateway._limit(await gateway._authenticate(request), None)
         url = gateway.forwarder.choose([], must=True)
         if url is None:
             raise APIError(503, "no engine is available yet; retry shortly", "service_unavailable",
                            code="no_engine", headers={"retry-after": "1"})
         try:
-            upstream = await gateway.client.get(f"{url}/v1/models", timeout=5.0)
+            key = gateway.config.engine_api_key
+            upstream = await gateway.client.get(f"{url}/v1/models", timeout=5.0,
+                                                headers={"authorization": f"Bearer {key}"} if key else None)
         except httpx.HTTPError as err:
             raise APIError(502, f"engine {url} failed: {type(err).__name__}", "server_error") from err
         return Response(upstream.content, upstream.status_code, media_type="application/json",

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from kvfleet.gateway.config import ROUTING_STRATEGIES, GatewayConfig, parse_queue_caps
 from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
+from kvfleet.http_limits import HttpLimits
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -46,12 +48,36 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--eject-seconds", type=float, default=10.0)
     a = p.add_argument_group("access control")
     a.add_argument("--api-keys-file", default=None,
-                   help="one key per line: <key or sha256:<hex>> [name=N] [rpm=N] [tpm=N]")
+                   help="one key per line: <key or sha256:<hex>> [name=N] [rpm=N] [tpm=N] "
+                        "[allow_priority=true]")
     a.add_argument("--api-keys-secret", default=None, metavar="NAMESPACE/NAME",
                    help="read the keys from a Kubernetes Secret (same line format in each value)")
     a.add_argument("--rpm-per-key", type=int, default=None, help="default requests per minute per key")
     a.add_argument("--tpm-per-key", type=int, default=None, help="default tokens per minute per key")
     a.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    a.add_argument("--engine-api-key", default=os.environ.get("KVFLEET_ENGINE_API_KEY") or None,
+                   help="the engines' shared token (their --api-key), sent upstream as 'Authorization: Bearer' "
+                        "(default: env KVFLEET_ENGINE_API_KEY)")
+    a.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
+    lim = HttpLimits()
+    c = p.add_argument_group("client and engine limits")
+    c.add_argument("--max-header-count", type=int, default=lim.max_header_count, help="more headers: 431")
+    c.add_argument("--max-header-bytes", type=int, default=lim.max_header_bytes,
+                   help="a longer request line and headers: 431")
+    c.add_argument("--header-timeout", type=float, default=lim.header_timeout_s, metavar="SECONDS",
+                   help="a request head that takes longer to arrive: 408")
+    c.add_argument("--body-timeout", type=float, default=lim.body_timeout_s, metavar="SECONDS",
+                   help="a request body that takes longer to arrive: 408")
+    c.add_argument("--max-connections", type=int, default=lim.max_connections,
+                   help="open client connections per replica; beyond it: 503")
+    c.add_argument("--upstream-first-byte-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="longest wait for an engine's response headers (after the first token when streaming, "
+                        "the whole answer otherwise); then the engine counts as failed")
+    c.add_argument("--upstream-idle-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="longest gap between two chunks of an engine's answer; then it counts as failed")
+    c.add_argument("--engine-unreachable-after", type=float, default=3.0, metavar="SECONDS",
+                   help="an engine whose /metrics times out this long in a row is unhealthy, and the requests "
+                        "waiting on it end at once (retried elsewhere, or streams end with an error event)")
 
 
 def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -65,4 +91,8 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         eject_after_failures=args.eject_after_failures, eject_seconds=args.eject_seconds,
         max_body_bytes=args.max_body_bytes, forward_priority=args.forward_priority,
         api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,
-        rpm_per_key=args.rpm_per_key, tpm_per_key=args.tpm_per_key)
+        rpm_per_key=args.rpm_per_key, tpm_per_key=args.tpm_per_key, engine_api_key=args.engine_api_key,
+        enable_docs=args.enable_docs, upstream_first_byte_timeout_s=args.upstream_first_byte_timeout,
+        upstream_idle_timeout_s=args.upstream_idle_timeout, engine_unreachable_after_s=args.engine_unreachable_after,
+        http_limits=HttpLimits(args.max_header_count, args.max_header_bytes, args.header_timeout, args.body_timeout,
+                               args.max_connections))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvfleet.gateway.priority import Priority
 from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
+from kvfleet.http_limits import HttpLimits
 
 ROUTING_STRATEGIES = ("kvfleet", "least-request", "round-robin")
 DEFAULT_CAPS = {Priority.CRITICAL: 1000, Priority.STANDARD: 1000, Priority.SHEDDABLE: 100}
@@ -32,6 +33,13 @@ class GatewayConfig:
     eject_after_failures: int = 3
     eject_seconds: float = 10.0
     upstream_connect_timeout_s: float = 2.0
+    # An engine answers headers after its first token (after the whole answer without streaming): generous, bounded.
+    upstream_first_byte_timeout_s: float = 300.0
+    upstream_idle_timeout_s: float = 60.0  # the longest gap between two chunks of an engine's answer
+    engine_unreachable_after_s: float = 3.0  # /metrics timing out this long: unhealthy, and waits on it end
+    engine_api_key: str | None = field(default=None, repr=False)  # sent upstream as `Authorization: Bearer <key>`
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
+    enable_docs: bool = False  # /docs, /redoc and /openapi.json
     max_body_bytes: int = 8 * 1024 * 1024
     forward_priority: bool = True  # set the body's `priority` (vLLM semantics) from the class
     api_keys_file: str | None = None
@@ -60,6 +68,12 @@ class GatewayConfig:
                 raise ValueError(f"the {p.value} queue cap must be >= 0, not {cap}")
         if self.eject_after_failures < 1 or self.eject_seconds < 0:
             raise ValueError("--eject-after-failures must be >= 1 and --eject-seconds >= 0")
+        if self.upstream_first_byte_timeout_s <= 0 or self.upstream_idle_timeout_s <= 0:
+            raise ValueError("--upstream-first-byte-timeout and --upstream-idle-timeout must be positive (seconds)")
+        if self.engine_unreachable_after_s < 1:
+            raise ValueError("--engine-unreachable-after must be at least 1 second (one scrape timeout)")
+        if self.engine_api_key is not None and (not self.engine_api_key or not self.engine_api_key.isprintable()):
+            raise ValueError("--engine-api-key (KVFLEET_ENGINE_API_KEY) must be non-empty printable text")
         if self.api_keys_file and self.api_keys_secret:
             raise ValueError("use either --api-keys-file or --api-keys-secret, not both")
         if not self.fleet or any(c in self.fleet for c in "{}: "):

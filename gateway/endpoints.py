@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ class EndpointState:
     open_requests: int = 0
     consecutive_failures: int = 0
     ejected_until: float = 0.0
+    waits: dict[asyncio.Timeout, float] = field(default_factory=dict)  # waits on its answers -> loop time begun
 
 
 @dataclass
@@ -55,6 +57,30 @@ class EndpointPool:
         state.load, state.scraped_at, state.scrape_error = load, now or time.monotonic(), None
         state.dispatched_since_scrape = 0
 
+    def mark_unreachable(self, url: str, error: str, silent_s: float) -> int:
+        """The engine stopped answering even its /metrics: unhealthy, and each wait on it that has itself seen
+        nothing for `silent_s` ends now, as a timeout (the proxy retries it or ends the stream with an error);
+        a stream still flowing from an engine that is only slow to report is left alone. Returns how many ended."""
+        state = self.endpoints.get(url)
+        if state is None:
+            return 0
+        state.scrape_error = error
+        now = asyncio.get_running_loop().time()
+        silent = [wait for wait, since in state.waits.items() if now - since >= silent_s and not wait.expired()]
+        for wait in silent:
+            wait.reschedule(now)
+        return len(silent)
+
+    def watch(self, url: str, wait: asyncio.Timeout) -> None:
+        state = self.endpoints.get(url)
+        if state is not None:
+            state.waits[wait] = asyncio.get_running_loop().time()
+
+    def unwatch(self, url: str, wait: asyncio.Timeout) -> None:
+        state = self.endpoints.get(url)
+        if state is not None:
+            state.waits.pop(wait, None)
+
     def record_expected(self, url: str) -> None:
         """Another replica is about to send this engine a request: count it like one of ours until the scrape."""
         state = self.endpoints.get(url)
@@ -67,13 +93,14 @@ class EndpointPool:
             state.dispatched_since_scrape += 1
             state.open_requests += 1
 
-    def record_done(self, url: str, ok: bool, now: float | None = None) -> bool:
-        """Returns True when this failure ejected the endpoint for its cool-off."""
+    def record_done(self, url: str, ok: bool | None, now: float | None = None) -> bool:
+        """Returns True when this failure ejected the endpoint for its cool-off. ok None: an answer that says nothing
+        about the engine's health (busy, or the request's own fault) neither counts nor clears failures."""
         state = self.endpoints.get(url)
         if state is None:
             return False
         state.open_requests = max(0, state.open_requests - 1)
-        return self.record_outcome(url, ok, now)
+        return False if ok is None else self.record_outcome(url, ok, now)
 
     def record_outcome(self, url: str, ok: bool, now: float | None = None) -> bool:
         state = self.endpoints.get(url)

@@ -1,12 +1,18 @@
-"""Forwarding to an engine: pick, send, retry once elsewhere before the first byte, relay streams unbuffered."""
+"""Forwarding to an engine: pick, send, retry once elsewhere before the first byte, relay streams unbuffered.
+
+Only the engine's faults (failure_class.py) are retried and counted toward ejection; every wait on an engine is
+bounded (first byte, then each gap between chunks), so an engine that stops answering cannot hang a client.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -15,16 +21,18 @@ from fastapi.responses import Response, StreamingResponse
 from kvfleet.engine.api_errors import APIError
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.endpoints import EndpointPool
+from kvfleet.gateway.failure_class import AnswerClass, classify
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix import PrefixAffinity
 from kvfleet.gateway.routing import pick
+from kvfleet.gateway.usage import Settlement, StreamUsageMeter, answer_usage
 
 log = logging.getLogger(__name__)
 
 # Only what the engine needs goes upstream: no client credentials, cookies or hop-by-hop headers.
-FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "traceparent", "tracestate")
+FORWARDED_HEADERS = frozenset(("content-type", "accept", "traceparent", "tracestate"))
 RETURNED_HEADERS = ("content-type", "retry-after", "x-request-id")
-BUSY_STATUSES = (429, 503)  # the engine is full or draining: try another, but it is not broken
+DONE_EVENT = b"data: [DONE]"
 
 
 @dataclass
@@ -34,9 +42,19 @@ class Upstream:
     sent_at: float
 
 
-def upstream_headers(headers: dict[str, str], request_id: str) -> dict[str, str]:
-    out = {k: v for k, v in headers.items() if k in FORWARDED_HEADERS}
+def upstream_headers(headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str,
+                     engine_api_key: str | None = None) -> dict[str, str]:
+    """From the client's raw header list (`request.headers.raw`: one pass, where copying Starlette's Headers
+    mapping costs O(n) per header) or a plain dict."""
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    out = {}
+    for name, value in pairs:
+        name = name.decode("latin-1").lower() if isinstance(name, bytes) else name.lower()
+        if name in FORWARDED_HEADERS:
+            out[name] = value.decode("latin-1") if isinstance(value, bytes) else value
     out["x-request-id"] = request_id
+    if engine_api_key:
+        out["authorization"] = f"Bearer {engine_api_key}"  # never the client's own credentials
     return out
 
 
@@ -58,11 +76,13 @@ class Forwarder:
                       self._counter, self.config.weights, self.config.saturation, exclude, must)
         return chosen.url if chosen else None
 
-    async def forward(self, path: str, raw_body: bytes, headers: dict[str, str], request_id: str,
-                      hashes: list[bytes], released: bool, on_tokens: Callable[[int], None] | None) -> Response:
-        """Sends to the chosen engine; a connection error, 5xx, or a busy answer is retried once elsewhere."""
+    async def forward(self, path: str, raw_body: bytes, headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str],
+                      request_id: str, hashes: list[bytes], released: bool,
+                      on_tokens: Settlement | None) -> Response:
+        """Sends to the chosen engine; an engine fault or a busy answer is retried once elsewhere, an answer the
+        request caused (4xx, unmarked 5xx) is returned as it is."""
         tried: set[str] = set()
-        last_busy: tuple[str, httpx.Response] | None = None
+        last_busy: tuple[str, httpx.Response, bytes] | None = None
         last_error = "no engine is available"
         for attempt in range(2):
             url = self.choose(hashes, frozenset(tried), must=released or attempt > 0)
@@ -75,65 +95,120 @@ class Forwarder:
                 self.metrics.retries.labels("connect_error" if attempt == 0 else "gave_up").inc()
                 continue
             status = upstream.response.status_code
-            if status >= 500 or status in BUSY_STATUSES:
-                await upstream.response.aread()
-                await upstream.response.aclose()
-                self._done(url, ok=status in BUSY_STATUSES)
-                last_busy, last_error = (url, upstream.response), f"engine {url} answered {status}"
+            verdict = classify(status, upstream.response.headers)
+            if verdict in (AnswerClass.BUSY, AnswerClass.FAULT):
+                content = await self._read_quietly(url, upstream.response)
+                self._done(url, ok=None if verdict is AnswerClass.BUSY else False)
+                if content is not None:
+                    last_busy = (url, upstream.response, content)
+                last_error = f"engine {url} answered {status}"
                 self.metrics.retries.labels(f"status_{status}" if attempt == 0 else "gave_up").inc()
                 continue
-            self.prefix.record(hashes, url)
-            return await self._relay(upstream, on_tokens)
+            if verdict is AnswerClass.OK:
+                self.prefix.record(hashes, url)
+            return await self._relay(upstream, on_tokens, ok=True if verdict is AnswerClass.OK else None)
         if last_busy is not None:
-            return _passthrough(last_busy[1], last_busy[1].content, last_busy[0])
+            return _passthrough(last_busy[1], last_busy[2], last_busy[0])
         raise APIError(502 if tried else 503, f"{last_error}; retry later", "service_unavailable",
                        code="no_engine", headers={"retry-after": "1"})
 
-    async def _send(self, url: str, path: str, raw_body: bytes, headers: dict[str, str],
-                    request_id: str) -> Upstream | str:
+    async def _send(self, url: str, path: str, raw_body: bytes,
+                    headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str) -> Upstream | str:
         self.pool.record_dispatch(url)
         self.metrics.routed.labels(url).inc()
         sent_at = time.monotonic()
         request = self.client.build_request("POST", url + path, content=raw_body,
-                                            headers=upstream_headers(headers, request_id))
+                                            headers=upstream_headers(headers, request_id, self.config.engine_api_key))
         try:
-            response = await self.client.send(request, stream=True)
+            async with self._bounded(url, self.config.upstream_first_byte_timeout_s):
+                response = await self.client.send(request, stream=True)
+        except TimeoutError:
+            self._done(url, ok=False)
+            return (f"engine {url} did not answer within {self.config.upstream_first_byte_timeout_s:g} s, or "
+                    "stopped answering its /metrics")
         except httpx.HTTPError as err:
             self._done(url, ok=False)
             return f"engine {url} failed: {type(err).__name__} {err}".strip()
         self.metrics.upstream_latency.labels(url).observe(time.monotonic() - sent_at)
         return Upstream(url, response, sent_at)
 
-    def _done(self, url: str, ok: bool) -> None:
+    def _done(self, url: str, ok: bool | None) -> None:
+        """ok None: the answer says nothing about the engine's health (busy, or the request's own fault)."""
         if self.pool.record_done(url, ok):
             log.warning("ejecting engine %s for %.0f s after repeated failures", url, self.pool.eject_seconds)
             self.metrics.ejections.labels(url).inc()
 
-    async def _relay(self, upstream: Upstream, on_tokens: Callable[[int], None] | None) -> Response:
+    @contextlib.asynccontextmanager
+    async def _bounded(self, url: str, seconds: float) -> AsyncIterator[None]:
+        """A wait on an engine: TimeoutError after `seconds`, or at once when the engine turns unreachable."""
+        async with asyncio.timeout(seconds) as wait:
+            self.pool.watch(url, wait)
+            try:
+                yield
+            finally:
+                self.pool.unwatch(url, wait)
+
+    async def _read_quietly(self, url: str, response: httpx.Response) -> bytes | None:
+        """The body of an answer that will not be relayed as it is; None if the engine fails to send it in time."""
+        try:
+            async with self._bounded(url, self.config.upstream_idle_timeout_s):
+                return await response.aread()
+        except (httpx.HTTPError, TimeoutError):
+            return None
+        finally:
+            await response.aclose()
+
+    async def _relay(self, upstream: Upstream, on_tokens: Settlement | None,
+                     ok: bool | None = True) -> Response:
         response = upstream.response
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
             try:
-                content = await response.aread()
-            except httpx.HTTPError as err:
+                async with self._bounded(upstream.url, self.config.upstream_idle_timeout_s):
+                    content = await response.aread()
+            except (httpx.HTTPError, TimeoutError) as err:
                 self._done(upstream.url, ok=False)
-                raise APIError(502, f"engine {upstream.url} failed while answering: {type(err).__name__}",
-                               "server_error", code="upstream_error") from err
+                what = "stopped sending" if isinstance(err, TimeoutError) else f"failed ({type(err).__name__})"
+                raise APIError(502, f"engine {upstream.url} {what} while answering; retry", "server_error",
+                               code="upstream_error") from err
             finally:
                 await response.aclose()
-            self._done(upstream.url, ok=True)
+            self._done(upstream.url, ok=ok)
             if on_tokens is not None:
-                on_tokens(_usage_tokens(content))
+                on_tokens(answer_usage(response.status_code, content))
             return _passthrough(response, content, upstream.url)
         return StreamingResponse(self._stream(upstream, on_tokens), status_code=response.status_code,
                                  headers=_returned(response, upstream.url), media_type="text/event-stream")
 
-    async def _stream(self, upstream: Upstream, on_tokens: Callable[[int], None] | None) -> AsyncIterator[bytes]:
-        ok, events = True, 0
+    async def _stream(self, upstream: Upstream, on_tokens: Settlement | None) -> AsyncIterator[bytes]:
+        ok, tail = True, b""
+        # Counts the answer's tokens from the engine's usage chunk, hidden again if only the gateway asked for it.
+        meter = StreamUsageMeter(on_tokens.hide_stream_usage) if on_tokens is not None else None
+        idle_s = self.config.upstream_idle_timeout_s
+        chunks = upstream.response.aiter_raw()
         try:
-            async for chunk in upstream.response.aiter_raw():
-                if on_tokens is not None:
-                    events += chunk.count(b"data: {")
-                yield chunk
+            while True:
+                try:
+                    async with self._bounded(upstream.url, idle_s):
+                        chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                tail = (tail + chunk)[-64:]
+                if meter is not None:
+                    chunk = meter.feed(chunk)
+                if chunk:
+                    yield chunk
+            if meter is not None and (rest := meter.finish()):
+                yield rest
+            if DONE_EVENT not in tail:  # never a bare end that reads like success: say the output is incomplete
+                ok = False
+                log.warning("engine %s ended a stream without [DONE]", upstream.url)
+                yield sse_error_event("the engine ended this stream before it completed; the output above is "
+                                      "incomplete", "stream_truncated")
+        except TimeoutError:
+            ok = False
+            log.warning("engine %s stopped sending mid-stream", upstream.url)
+            yield sse_error_event(f"the engine serving this request sent nothing for {idle_s:g} s, or stopped "
+                                  "answering its /metrics; the output above is incomplete", "upstream_timeout")
         except httpx.HTTPError as err:
             ok = False
             log.warning("engine %s failed mid-stream: %s", upstream.url, type(err).__name__)
@@ -143,7 +218,7 @@ class Forwarder:
             await upstream.response.aclose()
             self._done(upstream.url, ok)
             if on_tokens is not None:
-                on_tokens(events)
+                on_tokens(meter.usage)
 
 
 def _returned(response: httpx.Response, url: str) -> dict[str, str]:
@@ -156,10 +231,3 @@ def _passthrough(response: httpx.Response, content: bytes, url: str) -> Response
     return Response(content, status_code=response.status_code, headers=_returned(response, url),
                     media_type=response.headers.get("content-type"))
 
-
-def _usage_tokens(content: bytes) -> int:
-    try:
-        usage = json.loads(content).get("usage") or {}
-        return int(usage.get("total_tokens", 0))
-    except (ValueError, AttributeError, TypeError):
-        return 0

@@ -16,7 +16,8 @@ def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     gateway = Gateway(config)
     _attach_access_control(gateway)
-    server = uvicorn.Server(server_config(build_app(gateway), host, port, drain_timeout, backlog=4096))
+    server = uvicorn.Server(server_config(build_app(gateway), host, port, drain_timeout, config.http_limits,
+                                                 backlog=4096))
     source = (f"{len(config.engines)} static engine(s)" if config.engines else
               f"pods {config.k8s_selector!r} in {config.k8s_namespace}" if config.k8s_selector else "no engines")
     print(f"kvfleet gateway: http://{host}:{port} -> {source}, fleet {config.fleet!r}, "

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import uvicorn
 
+from kvfleet.http_limits import HttpLimits, limited_protocol
+
 # Longer than clients' idle keep-alive (httpx: 5 s, the gateway's pool: 30 s): a server that closes an idle
 # connection just as a client reuses it makes that request fail with no answer.
 KEEP_ALIVE_S = 75
 
 
-def server_config(app, host: str, port: int, drain_timeout: float, **extra) -> uvicorn.Config:
-    """Quiet logs, a graceful shutdown that lets in-flight requests finish, and the long keep-alive above."""
+def server_config(app, host: str, port: int, drain_timeout: float, limits: HttpLimits | None = None,
+                  **extra) -> uvicorn.Config:
+    """Quiet logs, a graceful shutdown that lets in-flight requests finish, the long keep-alive above, and the
+    header, slow-client and connection limits of `limits` (http_limits.py)."""
+    limits = limits or HttpLimits()
     return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain_timeout,
-                          timeout_keep_alive=KEEP_ALIVE_S, **extra)
+                          timeout_keep_alive=KEEP_ALIVE_S, http=limited_protocol(limits), **extra)
