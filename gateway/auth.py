@@ -1,7 +1,8 @@
 """Optional API keys for the gateway, held only as sha256 hashes.
 
-Key lines (a file, or each value of a Kubernetes Secret) read `<key or sha256:<64 hex>> [name=N] [rpm=N] [tpm=N]`;
-`#` at a line's start or after a space starts a comment (a key cannot start with `#` or hold spaces).
+Key lines (a file, or each value of a Kubernetes Secret) read
+`<key or sha256:<64 hex>> [name=N] [rpm=N] [tpm=N] [allow_priority=true|false]`; `#` at a line's start or after
+a space starts a comment (a key cannot start with `#` or hold spaces).
 Hash a key for the file with `printf %s "$KEY" | sha256sum`.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 
 HASH_PREFIX = "sha256:"
 LIMIT_OPTIONS = ("rpm", "tpm")
+BOOLEAN_OPTIONS = ("allow_priority",)
 COMMENT = re.compile(r"(^|\s)#.*")
 
 
@@ -31,6 +33,7 @@ class KeyInfo:
     name: str
     rpm: int | None = None
     tpm: int | None = None
+    allow_priority: bool = False  # may set the engine's `priority` in the body; else the gateway drops it
 
 
 def hash_key(key: str) -> str:
@@ -59,21 +62,26 @@ def parse_key_lines(
 
 def _parse_line(line: str, default_rpm: int | None, default_tpm: int | None) -> tuple[str, KeyInfo]:
     first, *options = line.split()
-    if "=" in first and first.split("=", 1)[0] in ("name", *LIMIT_OPTIONS):
+    if "=" in first and first.split("=", 1)[0] in ("name", *LIMIT_OPTIONS, *BOOLEAN_OPTIONS):
         raise ValueError(f"the key must come first, before {first.split('=', 1)[0]}=")
     digest = _digest_of(first)
-    settings: dict[str, Any] = {"name": digest[:12], "rpm": default_rpm, "tpm": default_tpm}
+    settings: dict[str, Any] = {"name": digest[:12], "rpm": default_rpm, "tpm": default_tpm, "allow_priority": False}
     seen: set[str] = set()
     for option in options:
         field, sep, value = option.partition("=")
         if not sep or field not in settings:
-            raise ValueError(f"unknown option {option!r}; expected name=, rpm= or tpm=")
+            raise ValueError(f"unknown option {option!r}; expected name=, rpm=, tpm= or allow_priority=")
         if field in seen:
             raise ValueError(f"{field}= is given twice")
         if not value:
             raise ValueError(f"{field}= needs a value")
         seen.add(field)
-        settings[field] = value if field == "name" else _parse_limit(field, value)
+        if field == "name":
+            settings[field] = value
+        elif field in BOOLEAN_OPTIONS:
+            settings[field] = _parse_boolean(field, value)
+        else:
+            settings[field] = _parse_limit(field, value)
     return digest, KeyInfo(key_id=digest[:12], **settings)
 
 
@@ -84,6 +92,12 @@ def _digest_of(token: str) -> str:
     if len(digest) != 64 or any(c not in string.hexdigits for c in digest):
         raise ValueError(f"a sha256 hash must be 64 hex characters, got {len(digest)} characters")
     return digest
+
+
+def _parse_boolean(field: str, value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise ValueError(f"{field}={value} must be true or false")
+    return value.lower() == "true"
 
 
 def _parse_limit(field: str, value: str) -> int:

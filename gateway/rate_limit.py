@@ -1,9 +1,11 @@
 """Per-key requests- and tokens-per-minute limits, shared by the gateway replicas through Redis.
 
-The policy is a sliding window log at one-second resolution: each key counts admitted requests and used tokens
-per second, and a request is admitted while the last 60 seconds hold fewer than `rpm` requests and fewer than
-`tpm` tokens. Unlike a fixed window it never lets 2x the limit through across a minute boundary, and unlike a
-per-request log its cost is bounded (at most 60 counters per kind). Timestamps come from the gateways' clocks.
+The policy is a sliding window log at one-second resolution: each key counts admitted requests and tokens per
+second, and a request is admitted while the last 60 seconds hold fewer than `rpm` requests and fewer than `tpm`
+tokens. Tokens are reserved at admission (the request's estimated cost, in the same atomic step as the check) and
+settled at the end with the real count, so a concurrent burst overshoots `tpm` by at most one reservation.
+Unlike a fixed window it never lets 2x the limit through across a minute boundary, and unlike a per-request log
+its cost is bounded (at most 60 counters per kind). Timestamps come from the gateways' clocks.
 
 Redis: one hash per key, `kvfleet:{fleet}:ratelimit:{key_id}`, fields `r:<unix second>` and `t:<unix second>`.
 """
@@ -36,10 +38,21 @@ Buckets = Mapping[int, int]  # unix second -> requests (or tokens) counted in th
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """Tokens an admitted request holds in its key's window (bucket `second`) until it is settled."""
+
+    key: KeyInfo
+    tokens: int
+    second: int
+    local: bool  # made in this process's fallback, so it is settled there
+
+
+@dataclass(frozen=True)
 class Verdict:
     allowed: bool
     reason: Literal["rpm", "tpm"] | None = None
     retry_after_s: int = 0
+    reservation: Reservation | None = field(default=None, compare=False)
 
 
 def window_total(buckets: Buckets, now: float) -> int:
@@ -91,18 +104,36 @@ class LocalRateLimiter:
         self._keys: dict[str, _KeyWindows] = {}
         self._next_sweep = 0.0
 
-    def admit(self, key: KeyInfo, now: float) -> Verdict:
+    def admit(self, key: KeyInfo, now: float, tokens: int = 0) -> Verdict:
         windows = self._windows(key, now)
         verdict = decide(windows.requests, windows.tokens, key.rpm, key.tpm, now)
-        if verdict.allowed and key.rpm is not None:
-            second = math.floor(now)
+        if not verdict.allowed:
+            return verdict
+        second = math.floor(now)
+        if key.rpm is not None:
             windows.requests[second] = windows.requests.get(second, 0) + 1
-        return verdict
+        if key.tpm is None or tokens <= 0:
+            return verdict
+        windows.tokens[second] = windows.tokens.get(second, 0) + tokens
+        return Verdict(allowed=True, reservation=Reservation(key, tokens, second, local=True))
 
     def record_tokens(self, key: KeyInfo, n: int, now: float) -> None:
         windows = self._windows(key, now)
         second = math.floor(now)
         windows.tokens[second] = windows.tokens.get(second, 0) + n
+
+    def settle(self, reservation: Reservation, actual: int, now: float) -> None:
+        """Replaces the reservation with the real count, in its own bucket while that is still in the window."""
+        delta = actual - reservation.tokens
+        windows = self._windows(reservation.key, now)
+        if reservation.second > math.floor(now) - WINDOW_S:
+            left = windows.tokens.get(reservation.second, 0) + delta
+            if left > 0:
+                windows.tokens[reservation.second] = left
+            else:
+                windows.tokens.pop(reservation.second, None)
+        elif delta > 0:  # the reservation already left the window; only a shortfall is still owed
+            self.record_tokens(reservation.key, delta, now)
 
     def _windows(self, key: KeyInfo, now: float) -> _KeyWindows:
         if now >= self._next_sweep:  # forget idle keys once a window, so memory stays bounded
@@ -115,11 +146,12 @@ class LocalRateLimiter:
         return windows
 
 
-# Reads the key's window and counts the request in one step; applies the same rule as `decide`.
-# KEYS[1]: the key's hash. ARGV: now (unix second), rpm, tpm (-1: no limit), window seconds.
+# Reads the key's window, counts the request and reserves its tokens in one step; the same rule as `decide`.
+# KEYS[1]: the key's hash. ARGV: now (unix second), rpm, tpm (-1: no limit), window seconds, tokens to reserve.
 # Returns the request and token buckets as they were before this request: {second, n, second, n, ...} each.
 ADMIT_SCRIPT = """
 local now, rpm, tpm, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local reserve = tonumber(ARGV[5])
 local fields = redis.call('HGETALL', KEYS[1])
 local requests, tokens, request_total, token_total = {}, {}, 0, 0
 for i = 1, #fields, 2 do
@@ -139,9 +171,32 @@ end
 local allowed = (rpm < 0 or request_total < rpm) and (tpm < 0 or token_total < tpm)
 if allowed and rpm >= 0 then
   redis.call('HINCRBY', KEYS[1], 'r:' .. now, 1)
+end
+if allowed and tpm >= 0 and reserve > 0 then
+  redis.call('HINCRBY', KEYS[1], 't:' .. now, reserve)
+end
+if allowed then
   redis.call('EXPIRE', KEYS[1], window + 1)
 end
 return {requests, tokens}
+"""
+
+# Settles a reservation: adds (real - reserved) to the reservation's bucket while it is in the window, dropping
+# a bucket that reaches 0; a reservation that already left the window only adds a shortfall, to the current second.
+# KEYS[1]: the key's hash. ARGV: now (unix second), the reservation's second, real - reserved, window seconds.
+SETTLE_SCRIPT = """
+local now, second, delta, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if second > now - window then
+  if redis.call('HINCRBY', KEYS[1], 't:' .. second, delta) <= 0 then
+    redis.call('HDEL', KEYS[1], 't:' .. second)
+  end
+elseif delta > 0 then
+  redis.call('HINCRBY', KEYS[1], 't:' .. now, delta)
+else
+  return 0
+end
+redis.call('EXPIRE', KEYS[1], window + 1)
+return 1
 """
 
 
@@ -160,44 +215,49 @@ class RateLimiter:
         self.degraded = False
         self._next_probe = 0.0
         self._admit_script = redis_client.register_script(ADMIT_SCRIPT)
+        self._settle_script = redis_client.register_script(SETTLE_SCRIPT)
 
     def redis_key(self, key: KeyInfo) -> str:
         return f"{key_prefix(self.fleet)}ratelimit:{key.key_id}"
 
-    async def admit(self, key: KeyInfo, now: float | None = None) -> Verdict:
-        """Whether this request may go on now; an allowed request is counted against the key's rpm."""
+    async def admit(self, key: KeyInfo, tokens: int = 0, now: float | None = None) -> Verdict:
+        """Whether this request may go on now; if so it counts against rpm and reserves `tokens` against tpm."""
         if key.rpm is None and key.tpm is None:
             return Verdict(allowed=True)
         now = time.time() if now is None else now
         if not self._should_try_redis():
-            return self.local.admit(key, now)
-        args = [math.floor(now), _or_minus_one(key.rpm), _or_minus_one(key.tpm), WINDOW_S]
+            return self.local.admit(key, now, tokens)
+        second = math.floor(now)
+        args = [second, _or_minus_one(key.rpm), _or_minus_one(key.tpm), WINDOW_S, max(0, tokens)]
         try:
-            requests, tokens = await self._call(self._admit_script(keys=[self.redis_key(key)], args=args))
+            requests, buckets = await self._call(self._admit_script(keys=[self.redis_key(key)], args=args))
         except UNREACHABLE as err:
             self._mark_unreachable(err)
-            return self.local.admit(key, now)
+            return self.local.admit(key, now, tokens)
         self._mark_reachable()
-        return decide(_pairs(requests), _pairs(tokens), key.rpm, key.tpm, now)
+        verdict = decide(_pairs(requests), _pairs(buckets), key.rpm, key.tpm, now)
+        if not verdict.allowed or key.tpm is None or tokens <= 0:
+            return verdict
+        return Verdict(allowed=True, reservation=Reservation(key, tokens, second, local=False))
 
-    async def record_tokens(self, key: KeyInfo, n: int, now: float | None = None) -> None:
-        """Count `n` tokens (prompt plus completion, from the response's usage) against the key's tpm."""
-        if n < 0:
-            raise ValueError(f"token count must be non-negative, got {n}")
-        if key.tpm is None or n == 0:
-            return
+    async def settle(self, reservation: Reservation, actual: int, now: float | None = None) -> None:
+        """Replaces a reservation with the tokens the request really used (0 refunds it)."""
+        if actual < 0:
+            raise ValueError(f"token count must be non-negative, got {actual}")
         now = time.time() if now is None else now
-        if not self._should_try_redis():
-            self.local.record_tokens(key, n, now)
+        if actual == reservation.tokens:
             return
+        if reservation.local:
+            self.local.settle(reservation, actual, now)
+            return
+        args = [math.floor(now), reservation.second, actual - reservation.tokens, WINDOW_S]
         try:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hincrby(self.redis_key(key), f"t:{math.floor(now)}", n)
-                pipe.expire(self.redis_key(key), WINDOW_S + 1)
-                await self._call(pipe.execute())
+            await self._call(self._settle_script(keys=[self.redis_key(reservation.key)], args=args))
         except UNREACHABLE as err:
+            # The reservation stays in Redis until it leaves the window (the safe side); a shortfall counts here.
             self._mark_unreachable(err)
-            self.local.record_tokens(key, n, now)
+            if actual > reservation.tokens:
+                self.local.record_tokens(reservation.key, actual - reservation.tokens, now)
             return
         self._mark_reachable()
 
@@ -241,11 +301,11 @@ class InProcessRateLimiter:
     def __init__(self) -> None:
         self.local = LocalRateLimiter()
 
-    async def admit(self, key: KeyInfo, now: float | None = None) -> Verdict:
+    async def admit(self, key: KeyInfo, tokens: int = 0, now: float | None = None) -> Verdict:
         if key.rpm is None and key.tpm is None:
             return Verdict(allowed=True)
-        return self.local.admit(key, time.time() if now is None else now)
+        return self.local.admit(key, time.time() if now is None else now, tokens)
 
-    async def record_tokens(self, key: KeyInfo, n: int, now: float | None = None) -> None:
-        if key.tpm is not None and n > 0:
-            self.local.record_tokens(key, n, time.time() if now is None else now)
+    async def settle(self, reservation: Reservation, actual: int, now: float | None = None) -> None:
+        if actual != reservation.tokens:
+            self.local.settle(reservation, actual, time.time() if now is None else now)

@@ -45,6 +45,13 @@ def test_a_missing_or_wrong_key_is_refused(store: ApiKeyStore, header: str | Non
     assert store.authenticate(header) is None
 
 
+def test_only_keys_marked_allow_priority_may_set_the_engine_priority(tmp_path: Path) -> None:
+    store = ApiKeyStore.from_file(write_keys(tmp_path, f"{ALICE} allow_priority=true\n{BOB} allow_priority=False\n"))
+    assert store.authenticate(f"Bearer {ALICE}").allow_priority
+    assert not store.authenticate(f"Bearer {BOB}").allow_priority
+    assert not ApiKeyStore.from_text(f"{ALICE} name=alice").authenticate(f"Bearer {ALICE}").allow_priority
+
+
 def test_headers_take_the_bearer_key_then_x_api_key(store: ApiKeyStore) -> None:
     assert store.authenticate_headers({"Authorization": f"Bearer {ALICE}"}).name == "alice"
     assert store.authenticate_headers({"X-API-Key": BOB}).name == "bob"
@@ -93,6 +100,9 @@ BAD_LINES = [
     ("sk-x rpm", "unknown option 'rpm'"),
     ("sk-x rpm=1 rpm=2", "rpm= is given twice"),
     ("name=alice sk-x", "the key must come first"),
+    ("allow_priority=true sk-x", "the key must come first"),
+    ("sk-x allow_priority=yes", "allow_priority=yes must be true or false"),
+    ("sk-x allow_priority=", "allow_priority= needs a value"),
     (ALICE, "the same key appears twice"),
 ]
 

@@ -37,21 +37,24 @@ def test_the_request_over_rpm_is_refused_until_the_window_slides(redis_server) -
     asyncio.run(run())
 
 
-def test_tokens_recorded_beyond_tpm_refuse_the_next_request(redis_server) -> None:
+def test_tokens_settled_beyond_tpm_refuse_the_next_request(redis_server) -> None:
     async def run() -> None:
         key = KeyInfo("b2", "bob", tpm=1000)
         async with Redis.from_url(redis_server.url) as redis:
             limiter = RateLimiter(redis, "chat")
-            assert (await limiter.admit(key, now=T0)).allowed
-            await limiter.record_tokens(key, 600, now=T0 + 1)
-            assert (await limiter.admit(key, now=T0 + 2)).allowed
-            await limiter.record_tokens(key, 600, now=T0 + 3)
-            refused = await limiter.admit(key, now=T0 + 4)
+            first = await limiter.admit(key, 100, now=T0)
+            assert first.allowed and first.reservation.tokens == 100
+            await limiter.settle(first.reservation, 600, now=T0 + 1)
+            second = await limiter.admit(key, 100, now=T0 + 2)
+            assert second.allowed
+            await limiter.settle(second.reservation, 600, now=T0 + 3)
+            refused = await limiter.admit(key, 100, now=T0 + 4)
             assert refused == Verdict(allowed=False, reason="tpm", retry_after_s=refused.retry_after_s)
+            assert refused.reservation is None
             assert 1 <= refused.retry_after_s <= 60
-            assert (await limiter.admit(key, now=T0 + 4 + refused.retry_after_s)).allowed
+            assert (await limiter.admit(key, 100, now=T0 + 4 + refused.retry_after_s)).allowed
             with pytest.raises(ValueError, match="non-negative"):
-                await limiter.record_tokens(key, -1)
+                await limiter.settle(second.reservation, -1)
 
     asyncio.run(run())
 
@@ -67,8 +70,8 @@ def test_two_gateway_replicas_share_the_count(redis_server) -> None:
             assert (await replica_a.admit(key, now=T0 + 2)).allowed
             assert (await replica_b.admit(key, now=T0 + 3)).reason == "rpm"
             assert (await other_fleet.admit(key, now=T0 + 3)).allowed
-            await replica_a.record_tokens(KeyInfo("d4", "dave", tpm=10), 10, now=T0)
-            assert (await replica_b.admit(KeyInfo("d4", "dave", tpm=10), now=T0 + 1)).reason == "tpm"
+            assert (await replica_a.admit(KeyInfo("d4", "dave", tpm=10), 10, now=T0)).allowed
+            assert (await replica_b.admit(KeyInfo("d4", "dave", tpm=10), 10, now=T0 + 1)).reason == "tpm"
 
     asyncio.run(run())
 
@@ -101,7 +104,11 @@ def test_without_redis_limits_hold_locally_and_come_back_to_redis(redis_server, 
             assert limiter.degraded
             assert [v.allowed for v in verdicts] == [True, True, False]  # a fresh local window: 2 allowed
             assert verdicts[2].reason == "rpm" and 1 <= verdicts[2].retry_after_s <= 60
-            await limiter.record_tokens(key, 50, now=T0 + 2)  # counted locally, no error
+            reserved = await limiter.admit(KeyInfo("e6", "erin2", tpm=100), 50, now=T0 + 2)  # reserved locally
+            assert reserved.allowed and reserved.reservation.local
+            await limiter.settle(reserved.reservation, 80, now=T0 + 2)  # settled locally, no error
+            assert (await limiter.admit(KeyInfo("e6", "erin2", tpm=100), 50, now=T0 + 3)).allowed
+            assert (await limiter.admit(KeyInfo("e6", "erin2", tpm=100), 50, now=T0 + 3)).reason == "tpm"
 
             # stop() removes the server's data folder, so a new server takes over the same port.
             restarted = RedisServer(port=redis_server.port).start()

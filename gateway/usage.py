@@ -1,0 +1,200 @@
+"""Token accounting for the tokens-per-minute limit: what a request reserves, and what its answer really used.
+
+At admission a request reserves `prompt estimate + max_tokens x choices`; at its end the reservation is settled
+with the engine's own count (`usage.total_tokens`, prompt plus every choice's completion). Streams get that count
+from the engine's usage chunk, which the gateway asks for (`stream_options.include_usage`) and removes again
+when the client did not ask for it, so the client's stream is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Reserved per choice when a request names no max_tokens (the engine would allow up to its context length).
+DEFAULT_MAX_TOKENS = 1024
+# A prompt's tokens are estimated as its UTF-8 bytes / 4 (English text runs ~4 bytes a token) plus a few per chat
+# message for the template; the settlement replaces the estimate with the engine's count.
+BYTES_PER_TOKEN = 4
+TOKENS_PER_MESSAGE = 4
+MAX_RESERVATION = 10**12  # keeps absurd max_tokens x n within Redis's 64-bit integers
+EVENT_END = re.compile(rb"\r?\n\r?\n")
+MAX_PENDING_BYTES = 1 << 20  # a partial SSE event longer than this is passed on without waiting for its end
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A request's reservation: the prompt's estimated tokens and the most it may generate."""
+
+    prompt: int
+    completion: int
+
+    @property
+    def tokens(self) -> int:
+        return min(MAX_RESERVATION, self.prompt + self.completion)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What an answer used: the engine's total, or None when it carried none (a stream cut short)."""
+
+    total: int | None
+    streamed_events: int | None = 0  # events seen: the fallback estimate of generated tokens; None: unknown
+
+
+def _positive_int(value: object, default: int) -> int:
+    # Wrong types are the strict schema's to refuse; here they only must not break the estimate.
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def _text_tokens(text: str) -> int:
+    return math.ceil(len(text.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN)
+
+
+def _prompts(body: dict) -> list[int]:
+    """Estimated tokens of each prompt the request holds (chat: one; completions: one per listed prompt)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        total = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):  # content parts
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
+                                  and isinstance(p.get("text"), str))
+            total += TOKENS_PER_MESSAGE + (_text_tokens(content) if isinstance(content, str) else 0)
+        return [total + TOKENS_PER_MESSAGE]  # the assistant turn's header
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [_text_tokens(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return [len(prompt)]  # token ids: exact
+    if isinstance(prompt, list) and prompt:
+        return [_text_tokens(p) if isinstance(p, str) else len(p) if isinstance(p, list) else 0 for p in prompt]
+    return [0]
+
+
+def request_cost(body: dict) -> Cost:
+    """The reservation for a request body: prompt estimate + max_tokens (or DEFAULT_MAX_TOKENS) x n per prompt."""
+    prompts = _prompts(body)
+    limit = body.get("max_completion_tokens")
+    max_tokens = _positive_int(limit if limit is not None else body.get("max_tokens"), DEFAULT_MAX_TOKENS)
+    choices = _positive_int(body.get("n"), 1)
+    return Cost(prompt=sum(prompts), completion=min(MAX_RESERVATION, max_tokens * choices * len(prompts)))
+
+
+def ask_stream_usage(body: dict) -> bool:
+    """Asks the engine for the usage chunk of a stream; True when the gateway added it (so it must hide it)."""
+    if body.get("stream") is not True:
+        return False
+    options = body.get("stream_options")
+    if options is None:
+        body["stream_options"] = {"include_usage": True}
+        return True
+    if isinstance(options, dict) and (options.get("include_usage") is None or options["include_usage"] is False):
+        options["include_usage"] = True
+        return True
+    return False  # the client asked for it already, or sent something the schema refuses
+
+
+def answer_usage(status: int, content: bytes) -> Usage:
+    """An unstreamed answer's usage: 0 for an error (nothing generated); unknown when a success carries none."""
+    if not 200 <= status < 300:
+        return Usage(0)
+    try:
+        total = json.loads(content).get("usage", {}).get("total_tokens")
+    except (ValueError, AttributeError):
+        total = None
+    if isinstance(total, int) and not isinstance(total, bool) and total >= 0:
+        return Usage(total)
+    return Usage(None, streamed_events=None)
+
+
+class StreamUsageMeter:
+    """Reads an SSE stream as it is relayed: notes the usage chunk's total, and drops that chunk if told to."""
+
+    def __init__(self, hide_usage: bool):
+        self.hide_usage = hide_usage
+        self.total: int | None = None
+        self.events = 0
+        self._pending = b""
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.total, self.events)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes to pass on now: the complete events in `chunk` and before it, the usage chunk left out."""
+        data = self._pending + chunk
+        out, start = [], 0
+        for end in EVENT_END.finditer(data):
+            event = data[start:end.end()]
+            start = end.end()
+            if not self._read(event):
+                out.append(event)
+        self._pending = data[start:]
+        if len(self._pending) > MAX_PENDING_BYTES:  # not SSE as we know it: pass it on rather than hold it
+            out.append(self._pending)
+            self._pending = b""
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """Whatever is left when the stream ends (an event without its blank line)."""
+        rest, self._pending = self._pending, b""
+        return b"" if rest and self._read(rest) else rest
+
+    def _read(self, event: bytes) -> bool:
+        """Counts one event; True when it is a usage-only chunk to drop."""
+        if not event.startswith(b"data: {"):
+            return False
+        if b'"usage"' not in event:
+            self.events += 1
+            return False
+        try:
+            chunk = json.loads(event[len(b"data: "):])
+        except ValueError:
+            self.events += 1
+            return False
+        usage = chunk.get("usage") if isinstance(chunk, dict) else None
+        total = usage.get("total_tokens") if isinstance(usage, dict) else None
+        if isinstance(total, int) and not isinstance(total, bool) and total >= 0:
+            self.total = total  # the last one wins (continuous usage stats are cumulative)
+        else:
+            self.events += 1
+        return self.hide_usage and total is not None and chunk.get("choices") == []
+
+
+class Settlement:
+    """One request's reservation, settled exactly once: with the real count, or refunded when nothing ran.
+
+    The proxy calls it with the answer's `Usage`; `hide_stream_usage` tells it to drop the usage chunk it relays.
+    """
+
+    def __init__(self, cost: Cost, settle: Callable[[int], None], hide_stream_usage: bool = False):
+        self.cost = cost
+        self.hide_stream_usage = hide_stream_usage
+        self._settle = settle
+        self.settled: int | None = None
+
+    def __call__(self, usage: Usage) -> None:
+        if usage.total is not None:
+            self._finish(usage.total)
+        elif usage.streamed_events is None:  # a success without a count: keep the whole reservation
+            self._finish(self.cost.tokens)
+        else:  # a stream cut short: the prompt estimate and one token per streamed event
+            self._finish(self.cost.prompt + min(usage.streamed_events, self.cost.completion))
+
+    def abandoned(self) -> None:
+        """The client left while the engine worked on it: the whole reservation stays (no count comes back)."""
+        self._finish(self.cost.tokens)
+
+    def refund(self) -> None:
+        """Nothing was generated (refused, shed, failed before an answer); a no-op once settled."""
+        self._finish(0)
+
+    def _finish(self, actual: int) -> None:
+        if self.settled is None:
+            self.settled = actual
+            self._settle(actual)
