@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -179,7 +180,8 @@ def _up_kubernetes(args: argparse.Namespace) -> int:
         manifest = default_fleet(args.fleet, args.model, max_replicas=args.engines, max_num_seqs=args.max_num_seqs,
                                  kv_cache_memory=args.kv_cache_memory)
     return run(ClusterSpec(manifest, namespace=args.namespace, host=args.host, port=args.port,
-                           autoscale_interval_s=args.autoscale_interval, gateway_args=args.gateway_arg))
+                           autoscale_interval_s=args.autoscale_interval, gateway_args=args.gateway_arg,
+                           verbose=args.verbose))
 
 
 def _add_up_command(sub: argparse._SubParsersAction) -> None:
@@ -205,6 +207,9 @@ def _add_up_command(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--fleet-file", help="an InferenceFleet manifest to apply (default: a small CPU fleet)")
     k.add_argument("--namespace", default="kvfleet")
     k.add_argument("--autoscale-interval", type=float, default=15.0, help="seconds between autoscaling decisions")
+    k.add_argument("--verbose", "-v", action="store_true",
+                   help="also print the API emulator's access log and the local kubelet's actions (always written "
+                        "to api-access.log and kubelet.log in the run directory)")
     p.set_defaults(func=_up)
 
 
@@ -214,7 +219,8 @@ def _operator(args: argparse.Namespace) -> int:
 
     if args.autoscale_interval <= 0:
         raise ValueError("--autoscale-interval must be positive")
-    return run(OperatorConfig(redis_url=args.redis_url, autoscale_interval_s=args.autoscale_interval),
+    return run(OperatorConfig(redis_url=args.redis_url, autoscale_interval_s=args.autoscale_interval,
+                              engine_api_key_secret=args.engine_api_key_secret or None),
                args.namespace, args.liveness, args.metrics_port)
 
 
@@ -226,6 +232,10 @@ def _add_operator_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf's liveness endpoint")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (0: off)")
     p.add_argument("--autoscale-interval", type=float, default=15.0, help="seconds between autoscaling decisions")
+    p.add_argument("--engine-api-key-secret", default=os.environ.get("KVFLEET_ENGINE_API_KEY_SECRET", ""),
+                   help="a Secret (in each fleet's namespace) whose key api-key the engine pods get as "
+                        "KVFLEET_ENGINE_API_KEY, for fleets whose spec has no engineAuth (env "
+                        "KVFLEET_ENGINE_API_KEY_SECRET)")
     p.set_defaults(func=_operator)
 
 

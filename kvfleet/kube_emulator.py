@@ -8,32 +8,75 @@ What it lacks (and how kvfleet copes) is listed where it matters: in the local k
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import threading
 import time
+import uuid
 import warnings
 from pathlib import Path
 
+from kvfleet.kube_tables import pods_table, printer_columns_table, wants_table
 from kvfleet.operator.fleet_spec import GROUP, PLURAL, VERSION
 
-FLEET_RESOURCE = {"kind": "InferenceFleet", "namespaced": True, "singular": "inferencefleet",
-                  "verbs": ["list", "watch", "get", "patch", "create", "delete", "update"],
-                  "subresources": ["status", "scale"]}
+
+def _fleet_resource() -> dict:
+    """The InferenceFleet as discovery shows it on a cluster with the chart's CRD (short name ifleet)."""
+    from kvfleet.operator.crd import build_crd
+
+    names = build_crd()["spec"]["names"]
+    return {"kind": names["kind"], "namespaced": True, "singular": names["singular"],
+            "shortnames": names["shortNames"], "categories": names["categories"],
+            "verbs": ["list", "watch", "get", "patch", "create", "delete", "update"],
+            "subresources": ["status", "scale"]}
+
+
+def _printer_columns() -> list[dict]:
+    from kvfleet.operator.crd import build_crd
+
+    return build_crd()["spec"]["versions"][0]["additionalPrinterColumns"]
 
 
 def _emulator_class():
-    """KMock's emulator, with lists that say their kind, as kubectl requires (KMock 0.8 leaves it out)."""
+    """KMock's emulator with what kubectl needs and KMock 0.8 lacks: lists that say their kind; the core group's
+    resource list named `v1` (KMock says `/v1`, so kubectl finds no pods); subresources without short names;
+    Tables for `kubectl get` of fleets and pods; a creationTimestamp and uid on every object created."""
     import kmock
 
+    columns = _printer_columns()
+
     class Emulator(kmock.KubernetesEmulator):
-        async def _serve_list(self, request):  # noqa: ANN001, ANN202 - kmock's own signature
+        async def _handle(self, request):  # noqa: ANN001, ANN202 - kmock's own signature
+            if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+                meta = request.data.setdefault("metadata", {})
+                meta.setdefault("creationTimestamp", _now().strftime("%Y-%m-%dT%H:%M:%SZ"))
+                meta.setdefault("uid", str(uuid.uuid4()))
+            return await super()._handle(request)
+
+        async def _serve_version(self, request):  # noqa: ANN001, ANN202
+            payload = await super()._serve_version(request)
+            # Subresources have no short names or categories on a real server (else kubectl warns per use).
+            resources = [{**r, "shortNames": [], "categories": []} if "/" in r["name"] else r
+                         for r in payload["resources"]]
+            return {**payload, "groupVersion": payload["groupVersion"].lstrip("/"), "resources": resources}
+
+        async def _serve_list(self, request):  # noqa: ANN001, ANN202
             payload = await super()._serve_list(request)
             wanted = request.resource
+            accept = next((v for k, v in request.headers.items() if k.lower() == "accept"), "")
+            if wants_table(accept) and (wanted.group, wanted.plural) == (GROUP, PLURAL):
+                return printer_columns_table(payload["items"], columns, _now())
+            if wants_table(accept) and (wanted.group, wanted.plural) == ("", "pods"):
+                return pods_table(payload["items"], _now())
             kinds = [info.kind for resource, info in self.resources.items() if resource == wanted]
             version = f"{wanted.group}/{wanted.version}" if wanted.group else wanted.version
             return {"apiVersion": version, "kind": f"{kinds[0]}List", **payload} if kinds else payload
 
     return Emulator
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
 
 
 class KubeEmulator:
@@ -68,7 +111,7 @@ class KubeEmulator:
             with warnings.catch_warnings():  # kmock 0.8 reads its bundled list with a deprecated importlib call
                 warnings.simplefilter("ignore", DeprecationWarning)
                 emulator.resources.load_bundled()
-            emulator.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = FLEET_RESOURCE
+            emulator.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = _fleet_resource()
             self.url = str(server.url).rstrip("/")
             while not self._stop.is_set():
                 await asyncio.sleep(0.05)

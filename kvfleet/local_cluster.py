@@ -8,8 +8,11 @@ The e2e scenarios (e2e/) run against this in CI, and against a kind cluster wher
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,10 +24,64 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet.kube_emulator import KubeEmulator
-from kvfleet.local_fleet import port_is_free, run_until_signal, tail
+from kvfleet.local_fleet import ENGINE_API_KEY_ENV, engine_env, port_is_free, run_until_signal, tail
 from kvfleet.local_kubelet import LocalKubelet
-from kvfleet.operator.fleet_spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec, parse_fleet
+from kvfleet.operator.fleet_spec import (
+    ENGINE_API_KEY_SECRET_KEY,
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
+    InvalidSpec,
+    parse_fleet,
+)
 from kvfleet.redis_server import RedisServer, free_port
+
+ENGINE_AUTH_SECRET = "kvfleet-engine-auth"  # as the chart's <release>-kvfleet-engine-auth
+
+# Loggers that write a line per API request or kubelet action: to files in the run directory, and to the
+# terminal only with `kvfleet up --kubernetes --verbose` (their polling would flood it).
+CHATTY_LOGS = {"aiohttp.access": "api-access.log", "kvfleet.local": "kubelet.log"}
+
+
+class _ToTerminal(logging.Handler):
+    """Hands the records at or above its level to the root logger's handlers (the terminal)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger().handle(record)
+
+
+def route_chatty_logs(run_dir: Path, verbose: bool) -> list[tuple[logging.Logger, logging.Handler]]:
+    """Each chatty logger writes its file; the terminal gets its warnings, or everything when verbose."""
+    added = []
+    for name, filename in CHATTY_LOGS.items():
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        to_file = logging.FileHandler(run_dir / filename)
+        to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        to_terminal = _ToTerminal(logging.NOTSET if verbose else logging.WARNING)
+        for handler in (to_file, to_terminal):
+            logger.addHandler(handler)
+            added.append((logger, handler))
+    return added
+
+
+def unroute_chatty_logs(added: list[tuple[logging.Logger, logging.Handler]]) -> None:
+    for logger, handler in added:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.propagate = True
+
+
+def require_kmock() -> None:
+    """KMock is in the `local-k8s` extra (not a main dependency: it registers a pytest plugin that needs
+    pytest-asyncio in every environment it is installed in)."""
+    try:
+        import kmock  # noqa: F401
+    except ImportError:
+        raise ValueError("kvfleet up --kubernetes needs KMock, the Kubernetes API emulator: pip install "
+                         "'kvfleet[local-k8s]' (or, from a checkout, pip install -e '.[local-k8s]')") from None
 
 
 @dataclass
@@ -36,6 +93,7 @@ class ClusterSpec:
     autoscale_interval_s: float = 15.0
     gateway_args: list[str] = field(default_factory=list)
     ready_timeout_s: float = 600.0
+    verbose: bool = False  # the API emulator's access log and the local kubelet's lines in the terminal too
 
 
 def default_fleet(name: str = "chat", model: str = "smollm2-135m-instruct", max_replicas: int = 2,
@@ -57,6 +115,8 @@ class LocalCluster:
         self.operator: subprocess.Popen | None = None
         self.gateway: subprocess.Popen | None = None
         self.kubeconfig = self.run_dir / "kubeconfig"
+        self._log_handlers: list[tuple[logging.Logger, logging.Handler]] = []
+        self.engine_api_key = secrets.token_urlsafe(32)  # a new one per run
 
     @property
     def url(self) -> str:
@@ -75,31 +135,46 @@ class LocalCluster:
             parse_fleet(self.fleet_name, s.namespace, fleet.get("spec") or {})
         except InvalidSpec as err:
             raise ValueError(f"the fleet manifest: {err}") from None
+        require_kmock()
         from kvfleet.engine.model_files import resolve_model
 
         resolve_model(fleet["spec"]["model"])  # convert once, before engines race to
+        self._log_handlers = route_chatty_logs(self.run_dir, s.verbose)
         self.emulator = KubeEmulator().start()
         self.emulator.write_kubeconfig(self.kubeconfig)
         self.redis = RedisServer().start()
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "OMP_NUM_THREADS": os.environ.get(
-            "OMP_NUM_THREADS", "1")}
+        # The engines get the token only through the Secret (as on a cluster), never from this environment.
+        env = {**{k: v for k, v in os.environ.items() if k != ENGINE_API_KEY_ENV}, "KUBECONFIG": str(self.kubeconfig),
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        self.create_token_secret(s.namespace)
         # Cluster-wide: with --namespace, kopf lists /api/v1/namespaces, which KMock 0.8 cannot serve.
         self.operator = self._spawn("operator", ["operator", "--redis-url", self.redis.url, "--autoscale-interval",
                                                  str(s.autoscale_interval_s), "--metrics-port", str(free_port()),
-                                                 "--liveness", f"http://127.0.0.1:{free_port()}/healthz"], env)
+                                                 "--liveness", f"http://127.0.0.1:{free_port()}/healthz",
+                                                 "--engine-api-key-secret", ENGINE_AUTH_SECRET], env)
         self.kubelet = LocalKubelet(self.emulator.api_client(), s.namespace, self.run_dir, env).start()
         self.apply_fleet(fleet)
         self.gateway = self._spawn("gateway", [
             "gateway", "--host", s.host, "--port", str(s.port), "--redis-url", self.redis.url,
             "--fleet", self.fleet_name, "--k8s-namespace", s.namespace,
-            "--k8s-selector", f"kvfleet.io/fleet={self.fleet_name}", *s.gateway_args], env)
+            "--k8s-selector", f"kvfleet.io/fleet={self.fleet_name}", *s.gateway_args],
+            engine_env(env, self.engine_api_key))
         self._wait(lambda: self._get(f"{self.url}/health"), "the gateway")
         if fleet["spec"].get("replicas", 1):  # the gateway is ready with no engine (it queues); wait for one
             self._wait(lambda: self._healthy_engines() > 0, "a ready engine pod behind the gateway")
 
+    def create_token_secret(self, namespace: str) -> None:
+        """The engines' token as the chart keeps it: a Secret the operator names in the engine pods' env."""
+        from kubernetes import client
+
+        token = base64.b64encode(self.engine_api_key.encode()).decode()
+        client.CoreV1Api(self.emulator.api_client()).create_namespaced_secret(namespace=namespace, body={
+            "apiVersion": "v1", "kind": "Secret", "type": "Opaque", "data": {ENGINE_API_KEY_SECRET_KEY: token},
+            "metadata": {"name": ENGINE_AUTH_SECRET, "namespace": namespace}})
+
     def apply_fleet(self, fleet: dict) -> None:
-        """Create the fleet; the emulator assigns no uid or generation, so they are set here (owner references
-        need the uid)."""
+        """Create the fleet; the emulator assigns no generation or resourceVersion, so they are set here (and the
+        uid, which owner references need, though the emulator now gives every created object one)."""
         from kubernetes import client
 
         body = {**fleet, "metadata": {**fleet["metadata"], "uid": str(uuid.uuid4()), "resourceVersion": "1",
@@ -165,6 +240,8 @@ class LocalCluster:
             self.redis.stop()
         if self.emulator is not None:
             self.emulator.stop()
+        unroute_chatty_logs(self._log_handlers)
+        self._log_handlers = []
 
 
 def run(spec: ClusterSpec) -> int:
@@ -174,6 +251,7 @@ def run(spec: ClusterSpec) -> int:
                 f"  KUBECONFIG={cluster.kubeconfig}   (the operator, the gateway and the scenarios use it)\n"
                 f"  KVFLEET_E2E_GATEWAY_URL={cluster.url} KVFLEET_E2E_NAMESPACE={spec.namespace} "
                 f"KVFLEET_E2E_FLEET={cluster.fleet_name} KUBECONFIG={cluster.kubeconfig} python -m pytest e2e\n"
-                f"  logs: {cluster.run_dir}\nCtrl-C stops everything.")
+                f"  logs: {cluster.run_dir} (the API's access log and the local kubelet's in api-access.log and "
+                f"kubelet.log; --verbose prints them here)\nCtrl-C stops everything.")
 
     return run_until_signal(LocalCluster(spec), banner)

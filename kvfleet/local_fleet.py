@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -19,6 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet.redis_server import RedisServer, free_port
+
+# The engines' shared token (issue 13): `kvfleet engine --api-key` and `kvfleet gateway --engine-api-key` read it.
+ENGINE_API_KEY_ENV = "KVFLEET_ENGINE_API_KEY"
+
+
+def engine_env(base: dict[str, str], token: str) -> dict[str, str]:
+    """The environment of a local fleet's engines and gateway: the run's token replaces any inherited one."""
+    return {**base, ENGINE_API_KEY_ENV: token}
 
 
 @dataclass
@@ -72,6 +81,8 @@ class LocalFleet:
         self.redis: RedisServer | None = None
         self.engines: list[Child] = []
         self.gateway: Child | None = None
+        # A new token per run: only this run's gateway may call its engines, even on a shared machine.
+        self.engine_api_key = secrets.token_urlsafe(32)
 
     @property
     def url(self) -> str:
@@ -82,8 +93,11 @@ class LocalFleet:
         if not port_is_free(s.host, s.port):
             raise ValueError(f"port {s.port} on {s.host} is in use; choose another with --port")
         model_dir = self._resolve_model()
+        token_file = self.run_dir / "engine-api-key"  # for calling an engine directly (curl -H @...)
+        token_file.touch(mode=0o600)
+        token_file.write_text(f"Authorization: Bearer {self.engine_api_key}\n")
         self.redis = RedisServer().start()
-        env = {**os.environ}
+        env = engine_env(dict(os.environ), self.engine_api_key)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_engine(s.engines)))
         for i in range(s.engines):
             port = free_port()
@@ -199,6 +213,7 @@ def run(spec: FleetSpec) -> int:
                 f"Redis {fleet.redis.url}, fleet {spec.fleet!r})\n"
                 f"  curl {fleet.url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'\n"
                 f"  metrics: {fleet.url}/metrics   logs: {fleet.run_dir}\n"
+                f"  engines answer /v1/* only with the run's token: curl -H @{fleet.run_dir}/engine-api-key ...\n"
                 "Ctrl-C stops everything.")
 
     return run_until_signal(LocalFleet(spec), banner)

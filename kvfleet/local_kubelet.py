@@ -3,8 +3,8 @@
 Against the API emulator (kvfleet/kube_emulator.py), which stores objects but runs nothing, this does what a
 ReplicaSet controller and the kubelet do for the operator's engine Deployments, and only that:
 - keeps `spec.replicas` engine processes per Deployment, running its container's command and args (host and
-  port swapped for 127.0.0.1 and a free port), each shown as a Pod with the template's labels, podIP 127.0.0.1
-  and the real port as the `http` container port;
+  port swapped for 127.0.0.1 and a free port) with its env (secretKeyRef values read from the Secret), each shown
+  as a Pod with the template's labels, podIP 127.0.0.1 and the real port as the `http` container port;
 - marks a Pod Ready while its /ready answers 200 (the readiness probe), and writes the Deployment's status;
 - a Pod deleted through the API has its process stopped with SIGTERM (the engine drains, as after preStop);
   a process that exits on its own has its Pod deleted, and a new one takes its place.
@@ -13,6 +13,7 @@ Not emulated: scheduling, resources, images, other probes, rolling updates (a ch
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import signal
@@ -74,7 +75,7 @@ class LocalKubelet:
         self.api_client = api_client
         self.apps, self.core = client.AppsV1Api(api_client), client.CoreV1Api(api_client)
         self.namespace, self.run_dir, self.period_s = namespace, run_dir, period_s
-        self.env = {**os.environ, **(env or {})}
+        self.env = dict(env) if env is not None else dict(os.environ)
         self.pods: dict[str, PodProcess] = {}
         self.stopping: list[PodProcess] = []
         self._stop = threading.Event()
@@ -122,7 +123,7 @@ class LocalKubelet:
         container = self.api_client.sanitize_for_serialization(template.spec.containers[0])
         name = f"{dep.metadata.name}-{uuid.uuid4().hex[:5]}"
         port = free_port()
-        env = {**self.env, **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}
+        env = {**self.env, **self._container_env(container)}
         env["HOME"] = self.env.get("HOME", "/tmp")  # the pod's HOME is its emptyDir; here the model cache is at ~
         log_path = self.run_dir / f"{name}.log"
         with open(log_path, "w") as out:
@@ -138,6 +139,17 @@ class LocalKubelet:
         self.core.create_namespaced_pod(self.namespace, body)
         self.pods[name] = PodProcess(name, dep.metadata.name, proc, port, log_path)
         log.info("local kubelet: started %s on port %d", name, port)
+
+    def _container_env(self, container: dict) -> dict[str, str]:
+        """The container's env: plain values, and secretKeyRef values read from the Secret (as the kubelet does)."""
+        out = {}
+        for entry in container.get("env", []):
+            if "value" in entry:
+                out[entry["name"]] = entry["value"]
+            elif ref := (entry.get("valueFrom") or {}).get("secretKeyRef"):
+                secret = self.core.read_namespaced_secret(name=ref["name"], namespace=self.namespace)
+                out[entry["name"]] = base64.b64decode((secret.data or {})[ref["key"]]).decode()
+        return out
 
     def _probe(self, pod: PodProcess) -> None:
         try:

@@ -45,6 +45,14 @@ SPEC_SCHEMA = {
                       "description": "the engine container's ResourceRequirements (nvidia.com/gpu on GPU fleets)"},
         "replicas": _int(0, 1000, 1, "engine pods; the autoscaler writes it when autoscaling is enabled"),
         "drainSeconds": _int(0, 3600, 30, "how long an engine may finish in-flight requests when stopped"),
+        "engineAuth": {
+            "type": "object",
+            "description": "the engines' shared token: a Secret in this namespace whose key the engine pods get as "
+                           "KVFLEET_ENGINE_API_KEY (the gateway sends it); default: the operator's "
+                           "--engine-api-key-secret; secretName \"\" turns it off",
+            "properties": {"secretName": {"type": "string", "maxLength": 253},
+                           "secretKey": {"type": "string", "minLength": 1, "default": "api-key"}},
+        },
         "autoscaling": {
             "type": "object",
             "properties": {

@@ -11,6 +11,9 @@ from kvfleet.operator.autoscaler import AutoscalingPolicy
 GROUP, VERSION, PLURAL, KIND = "kvfleet.io", "v1alpha1", "inferencefleets", "InferenceFleet"
 DEFAULT_IMAGE = "kvfleet/engine:cpu"
 ENGINE_PORT = 8000
+# The engines' shared token (issue 13): the Secret key and the env var the engine and the gateway read it from.
+ENGINE_API_KEY_ENV = "KVFLEET_ENGINE_API_KEY"
+ENGINE_API_KEY_SECRET_KEY = "api-key"
 
 
 class InvalidSpec(ValueError):
@@ -50,6 +53,9 @@ class FleetSpec:
     autoscaling_enabled: bool = False
     autoscaling: AutoscalingPolicy = AutoscalingPolicy()
     drain_seconds: int = 30
+    # A Secret in the fleet's namespace whose `api_key_secret_key` the engines require as a bearer token.
+    api_key_secret: str | None = None
+    api_key_secret_key: str = ENGINE_API_KEY_SECRET_KEY
 
     @property
     def gpu(self) -> bool:
@@ -71,8 +77,26 @@ def _float(section: dict, key: str, where: str, default: float, low: float, high
     return float(value)
 
 
-def parse_fleet(name: str, namespace: str, spec: dict[str, Any]) -> FleetSpec:
-    """The spec as the operator uses it; InvalidSpec names the first field to fix."""
+def _engine_auth(spec: dict[str, Any], default_secret: str | None) -> tuple[str | None, str]:
+    """spec.engineAuth names the token's Secret; without it the operator's --engine-api-key-secret applies,
+    and `secretName: ""` turns the token off for this fleet."""
+    auth = spec.get("engineAuth")
+    if auth is None:
+        return default_secret or None, ENGINE_API_KEY_SECRET_KEY
+    if not isinstance(auth, dict):
+        raise InvalidSpec("spec.engineAuth must be an object: {secretName: <Secret in this namespace>, secretKey}")
+    secret, key = auth.get("secretName", default_secret), auth.get("secretKey", ENGINE_API_KEY_SECRET_KEY)
+    if secret is not None and not isinstance(secret, str):
+        raise InvalidSpec(f"spec.engineAuth.secretName must be a Secret name, not {secret!r}")
+    if not isinstance(key, str) or not key:
+        raise InvalidSpec(f"spec.engineAuth.secretKey must be a key of that Secret, not {key!r}")
+    return secret or None, key
+
+
+def parse_fleet(name: str, namespace: str, spec: dict[str, Any], default_api_key_secret: str | None = None
+                ) -> FleetSpec:
+    """The spec as the operator uses it; InvalidSpec names the first field to fix. `default_api_key_secret` is
+    the operator's --engine-api-key-secret, for fleets whose spec names none."""
     model = spec.get("model")
     if not isinstance(model, str) or not model.strip():
         raise InvalidSpec("spec.model is required: a known model name (smollm2-135m-instruct) or a path in the image")
@@ -112,8 +136,10 @@ def parse_fleet(name: str, namespace: str, spec: dict[str, Any]) -> FleetSpec:
     resources = spec.get("resources") or {}
     if not isinstance(resources, dict):
         raise InvalidSpec("spec.resources must be a Kubernetes ResourceRequirements object")
+    api_key_secret, api_key_secret_key = _engine_auth(spec, default_api_key_secret)
     return FleetSpec(
         name=name, namespace=namespace, model=model.strip(), image=spec.get("image") or DEFAULT_IMAGE,
         image_pull_policy=spec.get("imagePullPolicy") or "IfNotPresent", engine=settings, resources=resources,
         replicas=_int(spec, "replicas", "spec", 1, 0, 1000), autoscaling_enabled=bool(auto.get("enabled", False)),
-        autoscaling=policy, drain_seconds=_int(spec, "drainSeconds", "spec", 30, 0, 3600))
+        autoscaling=policy, drain_seconds=_int(spec, "drainSeconds", "spec", 30, 0, 3600),
+        api_key_secret=api_key_secret, api_key_secret_key=api_key_secret_key)

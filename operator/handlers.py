@@ -60,6 +60,12 @@ def _apply(kind: str, desired: dict, read, create, patch) -> str:
     return f"repaired {kind} {meta['name']} ({', '.join(diff[:3])}{'...' if len(diff) > 3 else ''})"
 
 
+def _api_key_secret(memo) -> str | None:
+    """The operator's --engine-api-key-secret: the engines' token Secret for fleets whose spec names none."""
+    config: OperatorConfig = memo.get("config") or OperatorConfig()
+    return config.engine_api_key_secret
+
+
 def reconcile_children(fleet: FleetSpec, owner: dict) -> list[str]:
     deployment = build_deployment(fleet, fleet.replicas)
     service = build_service(fleet)
@@ -76,9 +82,9 @@ def reconcile_children(fleet: FleetSpec, owner: dict) -> list[str]:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-def inferencefleet_reconcile(spec, name, namespace, body, meta, patch, **_) -> None:
+def inferencefleet_reconcile(spec, name, namespace, body, meta, patch, memo, **_) -> None:
     try:
-        fleet = parse_fleet(name, namespace, dict(spec))
+        fleet = parse_fleet(name, namespace, dict(spec), _api_key_secret(memo))
     except InvalidSpec as err:
         patch.status["conditions"] = [condition("Ready", False, "InvalidSpec", str(err)),
                                       condition("Degraded", True, "InvalidSpec", str(err))]
@@ -98,7 +104,7 @@ def inferencefleet_reconcile(spec, name, namespace, body, meta, patch, **_) -> N
 @kopf.on.delete("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": FIELD_MANAGER},
                 optional=True)
 @kopf.on.delete("", "v1", "services", labels={"app.kubernetes.io/managed-by": FIELD_MANAGER}, optional=True)
-def engine_child_drift(meta, namespace, **_) -> None:
+def engine_child_drift(meta, namespace, memo, **_) -> None:
     """Someone edited or deleted a child: reconcile its fleet again (drift is put back)."""
     fleet_name = (meta.get("labels") or {}).get("kvfleet.io/fleet")
     if not fleet_name:
@@ -110,7 +116,7 @@ def engine_child_drift(meta, namespace, **_) -> None:
             return  # the fleet is gone; its children go with it
         raise
     try:
-        fleet = parse_fleet(fleet_name, namespace, body.get("spec") or {})
+        fleet = parse_fleet(fleet_name, namespace, body.get("spec") or {}, _api_key_secret(memo))
     except InvalidSpec:
         return
     for line in reconcile_children(fleet, body):

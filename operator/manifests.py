@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvfleet.operator.fleet_spec import ENGINE_PORT, FleetSpec
+from kvfleet.operator.fleet_spec import ENGINE_API_KEY_ENV, ENGINE_PORT, FleetSpec
 
 FIELD_MANAGER = "kvfleet-operator"
 
@@ -35,6 +35,16 @@ def _probe(path: str, period: int, failures: int, initial: int = 0) -> dict:
             "initialDelaySeconds": initial, "timeoutSeconds": 2}
 
 
+def build_engine_env(fleet: FleetSpec) -> list[dict]:
+    """HOME on the writable emptyDir, the fleet's name, and the shared token from its Secret (never inline)."""
+    env = [{"name": "HOME", "value": "/tmp"}, {"name": "KVFLEET_FLEET", "value": fleet.name}]
+    if fleet.api_key_secret:
+        # Not optional: a missing Secret keeps the pod from starting rather than serving without the token.
+        env.append({"name": ENGINE_API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": fleet.api_key_secret, "key": fleet.api_key_secret_key}}})
+    return env
+
+
 def build_engine_container(fleet: FleetSpec) -> dict:
     resources = fleet.resources or {"requests": {"cpu": "1", "memory": "2Gi"},
                                     "limits": {"cpu": "2", "memory": "4Gi"}}
@@ -55,7 +65,7 @@ def build_engine_container(fleet: FleetSpec) -> dict:
         "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
         "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}},
-        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "KVFLEET_FLEET", "value": fleet.name}],
+        "env": build_engine_env(fleet),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
 

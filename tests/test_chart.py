@@ -198,8 +198,14 @@ def test_a_gateway_only_release_adds_no_second_operator() -> None:
     assert not [d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component") == "operator"]
     assert not find(docs, "ClusterRole") and not find(docs, "ClusterRoleBinding")
     assert {m["metadata"]["name"] for m in find(docs, "ServiceMonitor")} == {f"{RELEASE}-kvfleet-gateway"}
-    args, _ = parse_cli(container(docs, "gateway"))
+    args, env = parse_cli(container(docs, "gateway"))
     assert args.fleet == "summarize" and args.k8s_selector == "kvfleet.io/fleet=summarize"
+    # The first release (named kvfleet) runs the operator, which gives the engines its token: the gateway sends it.
+    first = render(sets=("fullnameOverride=kvfleet",))
+    op_args, _ = parse_cli(one(first, "Deployment", "kvfleet-operator")["spec"]["template"]["spec"]["containers"][0])
+    assert env["KVFLEET_ENGINE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": op_args.engine_api_key_secret,
+                                                                         "key": "api-key"}
+    assert not find(docs, "Secret", f"{RELEASE}-kvfleet-engine-auth")
 
 
 def parse_cli(c: dict) -> tuple[object, dict]:
@@ -291,14 +297,15 @@ def test_an_external_redis_replaces_the_embedded_one() -> None:
         assert secret_value(docs, env["KVFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"]) == \
             "redis://:s3cret@redis.example.internal:6379/2"
     docs = render(CHART / "ci" / "external-redis-secret-values.yaml")
-    assert not find(docs, "StatefulSet") and not find(docs, "Secret")
+    assert not find(docs, "StatefulSet") and not find(docs, "Secret", f"{RELEASE}-kvfleet-redis")
     env = {e["name"]: e for e in container(docs, "gateway")["env"]}
     assert env["KVFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "my-redis", "key": "url"}
 
 
 def test_without_redis_the_gateway_queues_in_process() -> None:
     docs = render(CHART / "ci" / "no-redis-values.yaml")
-    assert not find(docs, "StatefulSet") and not find(docs, "Secret")
+    assert not find(docs, "StatefulSet") and not find(docs, "Secret", f"{RELEASE}-kvfleet-redis")
+    assert not find(docs, "NetworkPolicy", f"{RELEASE}-kvfleet-redis")
     for component in ("gateway", "operator"):
         args, _ = parse_cli(container(docs, component))
         assert args.redis_url is None
@@ -356,6 +363,119 @@ def test_service_monitors_scrape_real_ports() -> None:
     assert engines["spec"]["endpoints"][0]["port"] == build_service(fleet)["spec"]["ports"][0]["name"]
     assert engines["spec"]["namespaceSelector"] == {"any": True}  # the operator is cluster-wide here
     assert not find(render(), "ServiceMonitor")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engines behind the gateway: the shared token and the NetworkPolicies (issue 13)
+
+
+def engine_pod(docs, fleet_name: str = "chat", namespace: str = NAMESPACE) -> dict:
+    """The engine pod template the operator (run with the rendered flags) creates for a fleet."""
+    op_args, _ = parse_cli(container(docs, "operator"))
+    fleet = parse_fleet(fleet_name, namespace, {"model": "smollm2-135m-instruct"}, op_args.engine_api_key_secret)
+    return build_deployment(fleet, 1)["spec"]["template"]
+
+
+def test_the_gateway_and_the_engine_pods_share_one_generated_token() -> None:
+    docs = render()
+    _, gateway_env = parse_cli(container(docs, "gateway"))
+    ref = gateway_env["KVFLEET_ENGINE_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": f"{RELEASE}-kvfleet-engine-auth", "key": "api-key"}
+    token = secret_value(docs, ref)
+    assert len(token) >= 32 and token.isalnum()
+    engine_env = {e["name"]: e for e in engine_pod(docs)["spec"]["containers"][0]["env"]}
+    assert engine_env["KVFLEET_ENGINE_API_KEY"]["valueFrom"]["secretKeyRef"] == ref
+    for d in docs:
+        if d["kind"] != "Secret":
+            assert token not in json.dumps(d), f"{d['kind']}/{d['metadata']['name']} holds the engine token"
+
+
+def test_an_existing_token_secret_is_used_and_none_is_created() -> None:
+    docs = render(sets=("engineAuth.existingSecret=my-engine-token",))
+    assert not find(docs, "Secret", f"{RELEASE}-kvfleet-engine-auth")
+    _, gateway_env = parse_cli(container(docs, "gateway"))
+    ref = {"name": "my-engine-token", "key": "api-key"}
+    assert gateway_env["KVFLEET_ENGINE_API_KEY"]["valueFrom"]["secretKeyRef"] == ref
+    engine_env = {e["name"]: e for e in engine_pod(docs)["spec"]["containers"][0]["env"]}
+    assert engine_env["KVFLEET_ENGINE_API_KEY"]["valueFrom"]["secretKeyRef"] == ref
+
+
+def test_engine_auth_off_leaves_no_token_anywhere() -> None:
+    docs = render(sets=("engineAuth.enabled=false",))
+    assert not find(docs, "Secret", f"{RELEASE}-kvfleet-engine-auth")
+    _, gateway_env = parse_cli(container(docs, "gateway"))
+    assert "KVFLEET_ENGINE_API_KEY" not in gateway_env
+    assert "KVFLEET_ENGINE_API_KEY" not in {e["name"] for e in engine_pod(docs)["spec"]["containers"][0]["env"]}
+
+
+def peers(rule: dict) -> list[tuple[dict, dict]]:
+    """(namespaceSelector, podSelector) of each `from` entry of a NetworkPolicy ingress rule."""
+    return [(p.get("namespaceSelector", {}), p.get("podSelector", {})) for p in rule["from"]]
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=ids)
+def test_engine_pods_admit_only_the_gateway_the_operator_and_prometheus(values_file: Path) -> None:
+    docs = render(values_file)
+    values = yaml.safe_load(values_file.read_text()) or {}
+    operator_on = (values.get("operator") or {}).get("enabled", True)
+    policies = find(docs, "NetworkPolicy", f"{RELEASE}-kvfleet-engines")
+    watched = (values.get("operator") or {}).get("watchNamespaces", []) if operator_on else []
+    fleet_namespace = (values.get("gateway") or {}).get("fleetNamespace") or NAMESPACE
+    assert sorted(p["metadata"]["namespace"] for p in policies) == sorted({NAMESPACE, fleet_namespace, *watched})
+    engine = engine_pod(docs if operator_on else render())  # a gateway-only release's fleet: the first release's
+    http = [p for p in engine["spec"]["containers"][0]["ports"] if p["name"] == "http"]
+    release_ns = {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}
+    # The pods each peer must admit: this release's gateway, and its operator when it runs one.
+    admitted = ["gateway", *(["operator"] if operator_on else [])]
+    for policy in policies:
+        spec = policy["spec"]
+        # The engine pods of every fleet (the labels operator/manifests.py sets), and no pod of this chart.
+        assert selects(spec["podSelector"]["matchLabels"], engine["metadata"]["labels"])
+        for d in docs:
+            if d["kind"] in WORKLOAD_KINDS:
+                assert not selects(spec["podSelector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])
+        assert spec["policyTypes"] == ["Ingress"]
+        [rule] = spec["ingress"]
+        assert rule["ports"] == [{"port": "http", "protocol": "TCP"}] and len(http) == 1
+        *components, prometheus = peers(rule)
+        assert len(components) == len(admitted)
+        for (ns_selector, pod_selector), component in zip(components, admitted, strict=True):
+            assert ns_selector == release_ns  # the gateway and the operator run in the release namespace
+            # Exactly the Deployment's selector labels: they select its pods and never change on upgrade.
+            deployment = one(docs, "Deployment", f"{RELEASE}-kvfleet-{component}")
+            assert pod_selector == deployment["spec"]["selector"]
+            assert selects(pod_selector["matchLabels"], deployment["spec"]["template"]["metadata"]["labels"])
+        assert prometheus == ({"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                              {"matchLabels": {"app.kubernetes.io/name": "prometheus"}})
+
+
+def test_the_prometheus_peer_comes_from_values() -> None:
+    docs = render(sets=("networkPolicy.prometheus.namespaceSelector.matchLabels.team=obs",
+                        "networkPolicy.prometheus.podSelector=null"))
+    [policy] = find(docs, "NetworkPolicy", f"{RELEASE}-kvfleet-engines")
+    ns_selector, pod_selector = peers(policy["spec"]["ingress"][0])[-1]
+    assert ns_selector["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring", "team": "obs"}
+    assert pod_selector == {}  # every pod of the monitoring namespaces
+
+
+def test_redis_admits_only_the_gateway_and_the_operator() -> None:
+    docs = render()
+    policy = one(docs, "NetworkPolicy", f"{RELEASE}-kvfleet-redis")
+    sts = one(docs, "StatefulSet", f"{RELEASE}-kvfleet-redis")
+    assert policy["spec"]["podSelector"] == sts["spec"]["selector"]
+    [rule] = policy["spec"]["ingress"]
+    redis_ports = {p["name"] for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert [p["port"] for p in rule["ports"]] == ["redis"] and "redis" in redis_ports
+    gateway, operator = (one(docs, "Deployment", f"{RELEASE}-kvfleet-{c}") for c in ("gateway", "operator"))
+    assert peers(rule) == [({}, gateway["spec"]["selector"]), ({}, operator["spec"]["selector"])]
+    for workload, labels in (("gateway", gateway), ("operator", operator)):
+        assert selects(peers(rule)[0 if workload == "gateway" else 1][1]["matchLabels"],
+                       labels["spec"]["template"]["metadata"]["labels"])
+    assert not find(render(CHART / "ci" / "external-redis-values.yaml"), "NetworkPolicy", f"{RELEASE}-kvfleet-redis")
+
+
+def test_network_policies_can_be_turned_off() -> None:
+    assert not find(render(sets=("networkPolicy.enabled=false",)), "NetworkPolicy")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -549,6 +669,8 @@ def test_alert_thresholds_come_from_values_and_rules_follow_what_is_installed(tm
     ("gateway.fleet=Not_A_Name", "gateway/fleet"),
     ("gatway.replicas=3", "gatway"),
     ("metrics.prometheusRule.thresholds.kvCacheUsage=1.5", "metrics/prometheusRule/thresholds/kvCacheUsage"),
+    ("engineAuth.existingSecret=Not_A_Name", "engineAuth/existingSecret"),
+    ("networkPolicy.prometheus.namespaceSelector.matchLabelz.a=b", "networkPolicy/prometheus/namespaceSelector"),
 ])
 def test_bad_values_are_refused_by_the_schema(setting: str, named: str) -> None:
     done = run_helm(*template_args(sets=(setting,)))

@@ -1,20 +1,32 @@
 """`kvfleet up --kubernetes`: the operator and the gateway against an emulated API, engines as local processes.
 
 The e2e scenarios (e2e/) drive a whole local cluster; here: the local kubelet's decisions, a bad manifest
-refused before anything starts, and a cluster that, once stopped, leaves no process and no listener behind.
+refused before anything starts, an install that lacks KMock told what to install, and one real cluster (started
+once for the module: it takes a minute or two) that serves, keeps its engines behind their token, answers
+`kubectl get ifleet` and `kubectl get pods` as a real cluster does, keeps the API's access log out of the terminal,
+and, once stopped, leaves no process and no listener behind.
 """
 
 from __future__ import annotations
 
+import ast
+import logging
+import re
+import shutil
 import socket
+import subprocess
 import sys
+import tomllib
+from importlib.metadata import packages_distributions
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 from kubernetes import client
 
-from kvfleet.local_cluster import ClusterSpec, LocalCluster, default_fleet
+from kvfleet.kube_tables import human_age
+from kvfleet.local_cluster import ClusterSpec, LocalCluster, default_fleet, route_chatty_logs, unroute_chatty_logs
 from kvfleet.local_kubelet import PodProcess, local_command, pods_to_stop
 from tests.conftest import free_port
 
@@ -53,24 +65,128 @@ def test_a_bad_fleet_manifest_is_refused_before_anything_starts(change: dict, me
     assert cluster.emulator is None and cluster.operator is None
 
 
-def test_the_kubernetes_path_serves_and_stopping_it_leaves_nothing_behind(smollm2_dir) -> None:
-    port = free_port()
-    cluster = LocalCluster(ClusterSpec(default_fleet("chat", max_replicas=1), port=port, autoscale_interval_s=2))
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_without_kmock_the_install_to_run_is_named() -> None:
+    """An install made without the local-k8s extra (KMock hidden from this Python) is told what to install."""
+    hide_kmock = ("import sys; sys.modules['kmock'] = None; from kvfleet.cli import main; "
+                  f"sys.exit(main(['up', '--kubernetes', '--port', '{free_port()}']))")
+    done = subprocess.run([sys.executable, "-c", hide_kmock], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'kvfleet[local-k8s]'" in done.stderr and "Traceback" not in done.stderr
+
+
+def third_party_imports(folders: list[str]) -> dict[str, set[str]]:
+    """Distribution -> the files importing it, for every non-standard-library import in those folders."""
+    dists = packages_distributions()
+    out: dict[str, set[str]] = {}
+    for folder in folders:
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in sys.stdlib_module_names and top not in {"kvfleet", "__future__"}:
+                        for dist in dists.get(top, [top]):
+                            out.setdefault(dist.lower().replace("_", "-"), set()).add(path.name)
+    return out
+
+
+def test_the_readme_install_brings_everything_the_kubernetes_path_imports() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+
+    installed = names(project["dependencies"]) | names(project["optional-dependencies"]["local-k8s"])
+    imported = third_party_imports(["kvfleet", "operator", "gateway", "engine"])
+    missing = {d: files for d, files in imported.items() if d not in installed and files != {"bench_report.py"}}
+    assert not missing, f"imported at run time but in no dependency of `pip install -e '.[local-k8s]'`: {missing}"
+    assert "kmock" in names(project["optional-dependencies"]["local-k8s"])
+    assert "-e '.[local-k8s]'" in (ROOT / "README.md").read_text()  # the README's install names the extra
+
+
+def test_verbose_puts_the_access_log_in_the_terminal_too(tmp_path: Path, caplog) -> None:
+    for verbose, in_terminal in ((False, False), (True, True)):
+        added = route_chatty_logs(tmp_path, verbose)
+        try:
+            caplog.clear()
+            logging.getLogger("aiohttp.access").info("GET /api/v1/pods %s", verbose)
+            logging.getLogger("kvfleet.local").warning("local kubelet: an engine exited")
+        finally:
+            unroute_chatty_logs(added)
+        terminal = [r.getMessage() for r in caplog.records]
+        assert (f"GET /api/v1/pods {verbose}" in terminal) is in_terminal
+        assert "local kubelet: an engine exited" in terminal  # warnings always reach the terminal
+        assert f"GET /api/v1/pods {verbose}" in (tmp_path / "api-access.log").read_text()
+
+
+@pytest.mark.parametrize(("seconds", "shown"), [(45, "45s"), (200, "3m20s"), (720, "12m"), (5 * 3600 + 180, "5h3m"),
+                                               (30 * 3600, "30h"), (3 * 86400 + 5, "3d")])
+def test_ages_read_as_kubectl_prints_them(seconds: int, shown: str) -> None:
+    assert human_age(seconds) == shown
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_dir):
+    """One local cluster for the module's tests; the last test stops it and checks what is left."""
+    cluster = LocalCluster(ClusterSpec(default_fleet("chat", max_replicas=1), port=free_port(),
+                                       autoscale_interval_s=2))
     try:
         cluster.start()
-        api = cluster.emulator.api_client()
-        dep = client.AppsV1Api(api).read_namespaced_deployment("chat-engine", "kvfleet")
-        assert dep.spec.replicas == 1 and dep.metadata.owner_references[0].kind == "InferenceFleet"
-        [engine_pod] = client.CoreV1Api(api).list_namespaced_pod("kvfleet").items
-        assert engine_pod.status.pod_ip == "127.0.0.1" and engine_pod.metadata.labels["kvfleet.io/fleet"] == "chat"
-        answer = httpx.post(f"{cluster.url}/v1/completions", timeout=120,
-                            json={"model": "smollm2-135m-instruct", "prompt": "Hello", "max_tokens": 4})
-        assert answer.status_code == 200 and answer.headers["x-kvfleet-engine"].endswith(
-            str(engine_pod.spec.containers[0].ports[0].container_port))
-        children = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
-        assert len(children) >= 4  # redis-server, the operator, the gateway, an engine
+        yield cluster
     finally:
         cluster.stop()
+
+
+def test_the_kubernetes_path_serves_behind_the_engine_token(cluster: LocalCluster, caplog) -> None:
+    api = cluster.emulator.api_client()
+    dep = client.AppsV1Api(api).read_namespaced_deployment("chat-engine", "kvfleet")
+    assert dep.spec.replicas == 1 and dep.metadata.owner_references[0].kind == "InferenceFleet"
+    [engine_pod] = client.CoreV1Api(api).list_namespaced_pod("kvfleet").items
+    assert engine_pod.status.pod_ip == "127.0.0.1" and engine_pod.metadata.labels["kvfleet.io/fleet"] == "chat"
+    # The engine pod takes its token from the Secret, as on a cluster; the token is in no pod spec.
+    [token_env] = [e for e in engine_pod.spec.containers[0].env if e.name == "KVFLEET_ENGINE_API_KEY"]
+    assert token_env.value is None and token_env.value_from.secret_key_ref.key == "api-key"
+    answer = httpx.post(f"{cluster.url}/v1/completions", timeout=120,
+                        json={"model": "smollm2-135m-instruct", "prompt": "Hello", "max_tokens": 4})
+    engine_port = engine_pod.spec.containers[0].ports[0].container_port
+    assert answer.status_code == 200 and answer.headers["x-kvfleet-engine"].endswith(str(engine_port))
+    direct = httpx.post(f"http://127.0.0.1:{engine_port}/v1/completions", timeout=60,
+                        json={"model": "smollm2-135m-instruct", "prompt": "Hello", "max_tokens": 4})
+    assert direct.status_code == 401  # past the gateway, without the token: refused
+    # All of that went through the API emulator, and none of its access log reached the terminal.
+    assert not [r for r in caplog.records if r.name == "aiohttp.access"]
+    assert "GET /api/v1/namespaces/kvfleet/pods" in (cluster.run_dir / "api-access.log").read_text()
+
+
+def kubectl(cluster: LocalCluster, *args: str) -> str:
+    done = subprocess.run(["kubectl", "--kubeconfig", str(cluster.kubeconfig), *args], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    return done.stdout
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
+def test_kubectl_gets_fleets_and_pods_as_on_a_cluster(cluster: LocalCluster) -> None:
+    header, row = kubectl(cluster, "get", "ifleet", "-n", "kvfleet").splitlines()
+    assert header.split() == ["NAME", "MODEL", "REPLICAS", "READY", "KV%", "QUEUED", "AGE"]
+    name, model, replicas, *_, age = row.split()
+    assert (name, model, replicas) == ("chat", "smollm2-135m-instruct", "1") and re.fullmatch(r"\d+[smhd].*", age)
+    pods = kubectl(cluster, "get", "pods", "-n", "kvfleet").splitlines()
+    assert pods[0].split() == ["NAME", "READY", "STATUS", "RESTARTS", "AGE"]
+    [engine] = pods[1:]
+    assert engine.startswith("chat-engine-") and engine.split()[1:3] == ["1/1", "Running"]
+    assert kubectl(cluster, "get", "inferencefleet", "chat", "-n", "kvfleet", "-o",
+                   "jsonpath={.spec.model}") == "smollm2-135m-instruct"
+
+
+def test_stopping_the_kubernetes_path_leaves_nothing_behind(cluster: LocalCluster) -> None:
+    children = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+    assert len(children) >= 4  # redis-server, the operator, the gateway, an engine
+    cluster.stop()
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     with pytest.raises(ConnectionRefusedError):  # nothing listens there any more (a bind test would trip on
-        socket.create_connection(("127.0.0.1", port), timeout=2)  # the closed connections' TIME_WAIT)
+        socket.create_connection(("127.0.0.1", cluster.spec.port), timeout=2)  # the closed connections' TIME_WAIT)

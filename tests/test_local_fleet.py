@@ -9,11 +9,13 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
+from kvfleet.local_fleet import FleetSpec, LocalFleet
 from tests.conftest import free_port
 from tests.test_gateway_proxy import wait_until_routable
 
@@ -63,6 +65,15 @@ def test_up_serves_through_the_gateway_and_stops_everything_on_a_signal(tiny_mod
             served.add(raw.headers["x-kvfleet-engine"])
         assert served <= set(engines) and served
         assert httpx.get(f"{gateway}/ready").json()["queue"] == "redis"
+        # The engines answer only the gateway: /v1/* needs the run's token, which only the run's owner can read.
+        token_file = Path(re.search(r"curl -H @(\S+)", out).group(1))
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        name, _, value = token_file.read_text().strip().partition(": ")
+        body = {"model": str(tiny_model_dir), "prompt": "Hi", "max_tokens": 2}
+        refused = httpx.post(f"{engines[0]}/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.post(f"{engines[0]}/v1/completions", json=body, headers={name: value}, timeout=60).status_code \
+            == 200
     finally:
         proc.send_signal(stop_signal)
         code = proc.wait(timeout=60)
@@ -81,3 +92,8 @@ def test_up_refuses_bad_settings_with_a_message(tiny_model_dir) -> None:
         r = subprocess.run([sys.executable, "-m", "kvfleet.cli", "up", "--model", str(tiny_model_dir), "--port",
                             str(port)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and f"port {port}" in r.stderr and "--port" in r.stderr
+
+
+def test_each_run_has_its_own_engine_token() -> None:
+    first, second = LocalFleet(FleetSpec()), LocalFleet(FleetSpec())
+    assert len(first.engine_api_key) >= 32 and first.engine_api_key != second.engine_api_key

@@ -81,3 +81,35 @@ def test_drift_is_what_differs_in_fields_we_set() -> None:
     edited = build_deployment(parse_fleet("chat", "llm", SPEC), 2)
     edited["spec"]["template"]["spec"]["containers"][0]["image"] = "evil:latest"
     assert drifted(desired, edited) == ["spec.template.spec.containers[0].image"]
+
+
+def token_ref(fleet_spec: dict, operator_default: str | None = None) -> dict | None:
+    """The Secret reference the engine container gets KVFLEET_ENGINE_API_KEY from, or None."""
+    [c] = build_deployment(parse_fleet("chat", "llm", fleet_spec, operator_default), 1)["spec"]["template"][
+        "spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HOME"] == {"name": "HOME", "value": "/tmp"}
+    token = env.get("KVFLEET_ENGINE_API_KEY")
+    if token is None:
+        return None
+    assert set(token) == {"name", "valueFrom"}  # from the Secret, never written into the pod spec
+    return token["valueFrom"]["secretKeyRef"]
+
+
+def test_engine_pods_get_the_token_from_the_operators_secret_or_the_fleets_own() -> None:
+    assert token_ref(SPEC) is None  # no Secret anywhere: engines run without a token, as before
+    assert token_ref(SPEC, "kv-kvfleet-engine-auth") == {"name": "kv-kvfleet-engine-auth", "key": "api-key"}
+    own = {**SPEC, "engineAuth": {"secretName": "chat-token", "secretKey": "token"}}
+    assert token_ref(own, "kv-kvfleet-engine-auth") == {"name": "chat-token", "key": "token"}
+    assert token_ref({**SPEC, "engineAuth": {"secretName": "chat-token"}}) == {"name": "chat-token", "key": "api-key"}
+    assert token_ref({**SPEC, "engineAuth": {"secretName": ""}}, "kv-kvfleet-engine-auth") is None  # turned off
+
+
+@pytest.mark.parametrize(("auth", "message"), [
+    ("chat-token", "spec.engineAuth must be an object"),
+    ({"secretName": 7}, "spec.engineAuth.secretName must be a Secret name"),
+    ({"secretName": "t", "secretKey": ""}, "spec.engineAuth.secretKey must be a key"),
+])
+def test_a_bad_engine_auth_names_the_field(auth: object, message: str) -> None:
+    with pytest.raises(InvalidSpec, match=message):
+        parse_fleet("chat", "llm", {**SPEC, "engineAuth": auth})

@@ -144,3 +144,29 @@ fsGroup: {{ . }}
 seccompProfile:
   type: RuntimeDefault
 {{- end -}}
+
+{{/* The Secret holding the engines' shared token (key api-key): the given existing one, else the chart's. */}}
+{{- define "kvfleet.engineAuth.secretName" -}}
+{{- default (include "kvfleet.componentName" (list . "engine-auth")) .Values.engineAuth.existingSecret -}}
+{{- end -}}
+
+{{/* The env entry that hands the engines' token to a container (the gateway sends it upstream). */}}
+{{- define "kvfleet.engineAuth.env" -}}
+- name: KVFLEET_ENGINE_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvfleet.engineAuth.secretName" . }}
+      key: api-key
+{{- end -}}
+
+{{/* Namespaces that hold engine pods this release knows of: its own, the watched ones, the gateway's fleet's. */}}
+{{- define "kvfleet.engineNamespaces" -}}
+{{- $namespaces := list .Release.Namespace -}}
+{{- if .Values.operator.enabled -}}
+{{- range .Values.operator.watchNamespaces -}}
+{{- $namespaces = append $namespaces . -}}
+{{- end -}}
+{{- end -}}
+{{- $namespaces = append $namespaces (include "kvfleet.gateway.fleetNamespace" .) -}}
+{{- $namespaces | uniq | join "," -}}
+{{- end -}}
