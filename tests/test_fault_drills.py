@@ -1,0 +1,331 @@
+"""Fault drills: real engines, gateways and Redis killed or hung while requests are in flight or queued, and
+what every client sees. Each drill is bounded in time: a request that hangs fails the drill."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import redis
+
+from kvfleet.gateway.redis_queue import key_prefix, queue_key
+from tests.blackhole_proxy import BlackholeProxy
+from tests.conftest import process_output, start_engine_servers, start_gateway, stop_process
+from tests.test_gateway_proxy import wait_until_routable
+
+LONG = ("--max-model-len", "1024", "--kv-cache-memory", "32MiB")
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    """A one-sequence-at-a-time engine (easy to saturate) and a wide one (the survivor in engine drills)."""
+    (narrow, narrow_url), (wide, wide_url) = start_engine_servers(tiny_model_dir, ("--max-num-seqs", "1", *LONG),
+                                                                  LONG)
+    yield narrow_url, wide_url
+    stop_process(narrow)
+    stop_process(wide)
+
+
+@pytest.fixture(scope="module")
+def model(engines) -> str:
+    return httpx.get(f"{engines[0]}/v1/models").json()["data"][0]["id"]
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------
+def until(condition: Callable[[], bool], message: str, timeout: float = 30.0) -> float:
+    """Polls until condition holds; returns the seconds it took."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(message)
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def engine_gauge(engine: str, name: str) -> int:
+    for line in httpx.get(f"{engine}/metrics", timeout=5).text.splitlines():
+        if line.startswith(f"{name} "):
+            return int(float(line.split()[1]))
+    raise AssertionError(f"no {name} at {engine}")
+
+
+def running(engine: str) -> int:
+    return engine_gauge(engine, "kvfleet_num_requests_running")
+
+
+def hold(engine: str, model: str, stop: threading.Event) -> None:
+    """A long stream sent to the engine directly; dropped when told (the engine then aborts it)."""
+    body = {"model": model, "prompt": "busy", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{engine}/v1/completions", json=body, timeout=120) as r:
+        for _ in r.iter_lines():
+            if stop.is_set():
+                return
+
+
+@contextmanager
+def saturated(engine: str, model: str, holders: int = 4) -> Iterator[None]:
+    """The one-sequence engine kept busy with one request running and the rest waiting (--saturation-queue 1)."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=hold, args=(engine, model, stop)) for _ in range(holders)]
+    for t in threads:
+        t.start()
+    try:
+        until(lambda: engine_gauge(engine, "kvfleet_num_requests_waiting") == holders - 1, "never saturated")
+        time.sleep(0.3)  # every gateway has scraped it
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def complete(gateway: str, model: str, prompt: str, max_tokens: int = 8, timeout: float = 60,
+             **headers: str) -> tuple[httpx.Response | Exception, float]:
+    """A non-streaming request; returns (response or the client's exception, seconds it took)."""
+    started = time.monotonic()
+    try:
+        r = httpx.post(f"{gateway}/v1/completions", headers=headers, timeout=timeout,
+                       json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+        return r, time.monotonic() - started
+    except httpx.HTTPError as err:
+        return err, time.monotonic() - started
+
+
+def stream(gateway: str, model: str, prompt: str, first: threading.Event, timeout: float = 60,
+           max_tokens: int = 400) -> tuple[str, str, float]:
+    """A streaming request read as raw SSE; returns (serving engine, how it ended, when it ended)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+    engine = ""
+    try:
+        with httpx.stream("POST", f"{gateway}/v1/completions", json=body, timeout=timeout) as r:
+            engine = r.headers.get("x-kvfleet-engine", "")
+            for line in r.iter_lines():
+                first.set()
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+    except httpx.HTTPError as err:
+        first.set()
+        return engine, f"client error {type(err).__name__}", time.monotonic()
+    return engine, stream_ending(lines), time.monotonic()
+
+
+def stream_ending(data: list[str]) -> str:
+    """'finished' (a finish_reason, then [DONE]), 'error' (an OpenAI error event, then [DONE]), 'bare [DONE]'
+    (truncated, indistinguishable from success: the bug), or 'cut' (no [DONE])."""
+    if not data or data[-1] != "[DONE]":
+        return "cut"
+    if len(data) >= 2 and "error" in json.loads(data[-2]):
+        error = json.loads(data[-2])["error"]
+        return "error" if {"message", "type", "param", "code"} <= error.keys() else "malformed error"
+    finished = any(c.get("finish_reason") for d in data[:-1] for c in json.loads(d).get("choices", []))
+    return "finished" if finished else "bare [DONE]"
+
+
+def finished(fn: Callable, *args: object) -> tuple[object, float]:
+    """fn's result and when it came."""
+    result = fn(*args)
+    return result, time.monotonic()
+
+
+def is_openai_error(r: httpx.Response) -> bool:
+    try:
+        return {"message", "type", "param", "code"} <= r.json()["error"].keys()
+    except (ValueError, KeyError, AttributeError):
+        return False
+
+
+class RoundRobinTurns:
+    """Places requests on a chosen engine through a round-robin gateway over two engines: the turn alternates with
+    each request the gateway dispatches, so a short filler request moves it on."""
+
+    def __init__(self, gateway: str, model: str, engines: tuple[str, str]):
+        self.gateway, self.model, self.engines = gateway, model, engines
+        r, _ = complete(gateway, model, "whose turn", 2)
+        self.turn = self._other(r.headers["x-kvfleet-engine"])
+
+    def _other(self, engine: str) -> str:
+        return self.engines[1] if engine == self.engines[0] else self.engines[0]
+
+    def turn_to(self, engine: str) -> None:
+        if self.turn != engine:
+            r, _ = complete(self.gateway, self.model, "filler", 2)
+            assert r.status_code == 200 and r.headers["x-kvfleet-engine"] == self.turn, r
+            self.turn = engine
+
+    def sent(self) -> None:
+        self.turn = self._other(self.turn)
+
+
+# ---- drill 1 ------------------------------------------------------------------------------------------------
+def test_redis_killed_while_requests_wait_in_its_queue(engines, model, redis_server) -> None:
+    narrow, _ = engines
+    gateway, url = start_gateway("--engine", narrow, "--redis-url", redis_server.url, "--fleet", "drill-redis",
+                                 "--saturation-queue", "1")
+    fleet_queue = redis.Redis.from_url(redis_server.url)
+    try:
+        wait_until_routable(url)
+        with ThreadPoolExecutor(8) as pool:
+            with saturated(narrow, model):
+                patient = [pool.submit(complete, url, model, f"p{i}", 8, 40, **{"x-kvfleet-max-queue-ms": "20000"})
+                           for i in range(4)]
+                short = pool.submit(complete, url, model, "short", 8, 40, **{"x-kvfleet-max-queue-ms": "1500"})
+                until(lambda: fleet_queue.zcard(queue_key("drill-redis")) == 5, "the requests never queued in Redis")
+                redis_server.proc.send_signal(signal.SIGKILL)
+                redis_server.proc.wait()
+                until(lambda: httpx.get(f"{url}/ready").json()["queue"] == "local", "never fell back", 5)
+                short_answer, short_waited = short.result(timeout=10)
+                later = pool.submit(complete, url, model, "after the kill", 8, 40)  # queues in the process
+                until(lambda: httpx.get(f"{url}/ready").json()["queued"] == 5, "the later request did not queue")
+            answers = [f.result(timeout=40) for f in [*patient, later]]
+        # its deadline passed while Redis was dead (the engine stays saturated for seconds): a clear 503, on time
+        assert short_answer.status_code == 503, short_answer.text
+        assert short_answer.json()["error"]["code"] == "queue_timeout"
+        assert int(short_answer.headers["retry-after"]) >= 1 and short_waited < 1.5 + 2.0
+        for r, took in answers:  # nothing lost, nothing hung: served once the engine had room
+            assert isinstance(r, httpx.Response) and r.status_code == 200, r
+            assert r.json()["usage"]["completion_tokens"] == 8 and took < 20 + 5
+        ready = httpx.get(f"{url}/ready").json()
+        assert ready["queue"] == "local" and ready["queued"] == 0 and "Redis unreachable" in ready["redis"]
+    finally:
+        stop_process(gateway)
+        print(process_output(gateway))
+
+
+# ---- drill 2 ------------------------------------------------------------------------------------------------
+def test_an_engine_killed_mid_batch(engines, model, tiny_model_dir) -> None:
+    _, survivor = engines
+    [(victim, victim_url)] = start_engine_servers(tiny_model_dir, LONG)
+    gateway, url = start_gateway("--engine", victim_url, "--engine", survivor, "--routing", "round-robin")
+    try:
+        wait_until_routable(url, 2)
+        turns = RoundRobinTurns(url, model, (victim_url, survivor))
+        with ThreadPoolExecutor(4) as pool:
+            streams, plain = [], []
+            for i, kind in enumerate("snsn"):  # two streams and two non-streams running on the victim
+                turns.turn_to(victim_url)
+                if kind == "s":  # mid-stream: its first chunk came (before it, the gateway may still retry)
+                    first = threading.Event()
+                    streams.append(pool.submit(stream, url, model, f"s{i}", first, 60, 1000))
+                    assert first.wait(30), "the stream never started"
+                else:
+                    plain.append(pool.submit(complete, url, model, f"n{i}", 300, 60))
+                until(lambda n=i + 1: running(victim_url) == n, "the request never ran on the victim")
+                turns.sent()
+            victim.send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            stream_results = [f.result(timeout=90) for f in streams]
+            plain_results = [f.result(timeout=90) for f in plain]
+        # its streams end with an error event at once, never a bare [DONE]
+        assert [(engine, ending) for engine, ending, _ in stream_results] == [(victim_url, "error")] * 2
+        assert all(ended - killed_at < 10 for _, _, ended in stream_results)
+        outcomes = [(r.status_code, r.headers.get("x-kvfleet-engine")) for r, _ in plain_results]
+        print(f"non-streams on the killed engine: {outcomes}")
+        for r, _ in plain_results:  # retried on the survivor before any byte came back, or a clear error
+            assert isinstance(r, httpx.Response), r
+            assert (r.status_code == 200 and r.headers["x-kvfleet-engine"] == survivor) or (
+                r.status_code in (502, 503) and is_openai_error(r)), (r.status_code, r.text)
+        until(lambda: httpx.get(f"{url}/ready").json()["healthy"] == 1, "the dead engine still looks healthy", 5)
+        later = [complete(url, model, f"later {i}", 4) for i in range(4)]
+        assert [(r.status_code, r.headers["x-kvfleet-engine"]) for r, _ in later] == [(200, survivor)] * 4
+        metrics = httpx.get(f"{url}/metrics").text
+        assert f'kvfleet_gateway_ejections_total{{endpoint="{victim_url}"}} 1.0' in metrics
+    finally:
+        stop_process(gateway)
+        stop_process(victim)
+
+
+# ---- drill 3 ------------------------------------------------------------------------------------------------
+def test_a_gateway_replica_killed_while_its_requests_wait_in_redis(engines, model, redis_server) -> None:
+    narrow, _ = engines
+    fleet = "drill-replica"
+    args = ("--engine", narrow, "--redis-url", redis_server.url, "--fleet", fleet, "--saturation-queue", "1")
+    store = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    doomed, doomed_url = start_gateway(*args)
+    [doomed_id] = [k.rsplit(":", 1)[1] for k in store.keys(key_prefix(fleet) + "gateway:*")]
+    survivor = None
+
+    def doomed_entries() -> int:
+        entries = store.hgetall(key_prefix(fleet) + "queue:entries")
+        return sum(meta.startswith(f"{doomed_id}|") for meta in entries.values())
+    try:
+        survivor, survivor_url = start_gateway(*args)
+        wait_until_routable(doomed_url)
+        wait_until_routable(survivor_url)
+        with ThreadPoolExecutor(8) as pool:
+            with saturated(narrow, model, holders=5):
+                mine, theirs = [], []
+                for i in range(3):  # interleaved: the survivor's entries sit behind the doomed replica's
+                    theirs.append(pool.submit(complete, doomed_url, model, f"d{i}", 8, 40))
+                    time.sleep(0.05)
+                    mine.append(pool.submit(finished, complete, survivor_url, model, f"s{i}", 8, 40))
+                    time.sleep(0.05)
+                until(lambda: store.zcard(queue_key(fleet)) == 6, "the six requests never queued")
+                doomed.send_signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+                lost = [f.result(timeout=3) for f in theirs]  # its clients see the connection close at once
+                until(lambda: doomed_entries() == 0, "the dead replica's entries stayed", 15)
+                gone_after = time.monotonic() - killed_at
+                print(f"a dead replica's queued entries were dropped {gone_after:.2f} s after its SIGKILL")
+                assert store.zcard(queue_key(fleet)) == 3  # the survivor's, still waiting
+            served = [f.result(timeout=40) for f in mine]  # ((response, took), finished at)
+        assert all(isinstance(err, httpx.TransportError) for err, _ in lost), lost
+        assert all(isinstance(r, httpx.Response) and r.status_code == 200 for (r, _), _ in served), served
+        finished_order = sorted(range(3), key=lambda i: served[i][1])
+        assert finished_order == [0, 1, 2]  # in their queue order (the engine runs one at a time)
+        # heartbeat TTL (3 s) plus at most one reconcile interval (2 s), with room for a busy machine
+        assert gone_after < 3 + 2 + 3
+        assert store.zcard(queue_key(fleet)) == 0
+    finally:
+        if survivor is not None:
+            stop_process(survivor)
+        stop_process(doomed)
+
+
+# ---- drill 4 ------------------------------------------------------------------------------------------------
+def test_an_engine_that_stops_answering_without_closing_connections(engines, model, tiny_model_dir) -> None:
+    _, survivor = engines
+    [(hung, hung_url)] = start_engine_servers(tiny_model_dir, LONG)
+    proxy = BlackholeProxy("127.0.0.1", int(hung_url.rsplit(":", 1)[1])).start()
+    gateway, url = start_gateway("--engine", proxy.url, "--engine", survivor, "--routing", "round-robin")
+    bound = 10.0  # "within a few seconds", with room for a busy machine: each client gives up a little later
+    try:
+        wait_until_routable(url, 2)
+        turns = RoundRobinTurns(url, model, (proxy.url, survivor))
+        with ThreadPoolExecutor(2) as pool:
+            turns.turn_to(proxy.url)
+            first = threading.Event()
+            in_flight = pool.submit(stream, url, model, "in flight", first, bound + 2, 1000)
+            assert first.wait(30), "the stream never started"  # mid-stream: before it, the gateway may still retry
+            turns.sent()
+            proxy.blackhole()
+            hung_at = time.monotonic()
+            turns.turn_to(proxy.url)  # round-robin ignores stale metrics: the next request goes to the hung engine
+            sent_after = pool.submit(finished, complete, url, model, "sent after", 4, bound + 2)
+            engine, ending, ended = in_flight.result(timeout=60)
+            (answer, _), answered_at = sent_after.result(timeout=60)
+        answered_in = answered_at - hung_at
+        healthy = httpx.get(f"{url}/ready").json()["healthy"]
+        print(f"blackholed: the stream in flight ended ({ending}) after {ended - hung_at:.1f} s; the request sent "
+              f"after was answered {getattr(answer, 'status_code', answer)!r} after {answered_in:.1f} s; "
+              f"engines healthy: {healthy}")
+        assert engine == proxy.url and ending == "error" and ended - hung_at < bound, ending  # no stream hangs
+        assert isinstance(answer, httpx.Response) and (answer.status_code == 200 or is_openai_error(answer)), answer
+        assert answered_in < bound
+        until(lambda: httpx.get(f"{url}/ready").json()["healthy"] == 1, "the hung engine still looks healthy", 2)
+        later = [complete(url, model, f"later {i}", 4, timeout=bound) for i in range(4)]
+        assert [(r.status_code, r.headers["x-kvfleet-engine"]) if isinstance(r, httpx.Response) else r
+                for r, _ in later] == [(200, survivor)] * 4
+    finally:
+        gateway.kill()  # a graceful stop would wait for the hung upstream requests
+        gateway.wait()
+        proxy.close()
+        hung.kill()
+        hung.wait()
