@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-import psutil
 
 from bench.abuse_catalogue import CATALOGUE, Attack, Outcome, Target
 
@@ -93,14 +93,16 @@ def unharmed(got: list[Victim], alone: list[Victim]) -> bool:
 
 
 def fleet_rss_mib(pids: list[int]) -> float | None:
+    """Resident memory of these processes together, from /proc (Linux; None elsewhere or without pids)."""
     if not pids:
         return None
     total = 0
     for pid in pids:
         try:
-            total += psutil.Process(pid).memory_info().rss
-        except psutil.Error:
-            pass
+            with open(f"/proc/{pid}/statm") as statm:
+                total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
     return total / 2**20
 
 
