@@ -75,7 +75,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "the whole answer otherwise); then the engine counts as failed")
     c.add_argument("--upstream-idle-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="longest gap between two chunks of an engine's answer; then it counts as failed")
-    c.add_argument("--engine-unreachable-after", type=float, default=3.0, metavar="SECONDS",
+    c.add_argument("--engine-unreachable-after", type=float,
+                   default=GatewayConfig.engine_unreachable_after_s, metavar="SECONDS",
                    help="an engine whose /metrics times out this long in a row is unhealthy, and the requests "
                         "waiting on it end at once (retried elsewhere, or streams end with an error event)")
 

@@ -36,7 +36,7 @@ class GatewayConfig:
     # An engine answers headers after its first token (after the whole answer without streaming): generous, bounded.
     upstream_first_byte_timeout_s: float = 300.0
     upstream_idle_timeout_s: float = 60.0  # the longest gap between two chunks of an engine's answer
-    engine_unreachable_after_s: float = 3.0  # /metrics timing out this long: unhealthy, and waits on it end
+    engine_unreachable_after_s: float = 10.0  # /metrics timing out this long: unhealthy, and waits on it end
     engine_api_key: str | None = field(default=None, repr=False)  # sent upstream as `Authorization: Bearer <key>`
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     enable_docs: bool = False  # /docs, /redoc and /openapi.json

@@ -294,7 +294,8 @@ def test_an_engine_that_stops_answering_without_closing_connections(engines, mod
     _, survivor = engines
     [(hung, hung_url)] = start_engine_servers(tiny_model_dir, LONG)
     proxy = BlackholeProxy("127.0.0.1", int(hung_url.rsplit(":", 1)[1])).start()
-    gateway, url = start_gateway("--engine", proxy.url, "--engine", survivor, "--routing", "round-robin")
+    gateway, url = start_gateway("--engine", proxy.url, "--engine", survivor, "--routing", "round-robin",
+                                 "--engine-unreachable-after", "3")
     bound = 10.0  # "within a few seconds", with room for a busy machine: each client gives up a little later
     try:
         wait_until_routable(url, 2)

@@ -208,7 +208,7 @@ def test_an_engine_that_stops_answering_is_timed_out_ejected_and_clients_are_ans
 
 def test_with_default_timeouts_an_engine_whose_metrics_go_silent_is_dropped_in_seconds(keyed_engine: str) -> None:
     """The long default timeouts stay (a queued request may wait minutes for its first token); an engine whose
-    /metrics stops answering for 3 s (--engine-unreachable-after) is what ends the waits on it."""
+    /metrics stops answering for 10 s (--engine-unreachable-after) is what ends the waits on it."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -239,7 +239,7 @@ def test_with_default_timeouts_an_engine_whose_metrics_go_silent_is_dropped_in_s
             events = in_flight.result(timeout=60)
         ended_in = time.monotonic() - holed_at
         assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "upstream_timeout"
-        assert events[-1] == "data: [DONE]" and ended_in < 10
+        assert events[-1] == "data: [DONE]" and ended_in < 18  # 10 s, one scrape timeout, a busy machine
         ready = httpx.get(f"{url}/ready").json()
         assert ready["healthy"] == 0 and ready["available"] == 0
     finally:
