@@ -18,6 +18,7 @@ import redis
 from kvfleet.gateway.redis_queue import key_prefix, queue_key
 from tests.blackhole_proxy import BlackholeProxy
 from tests.conftest import process_output, start_engine_servers, start_gateway, stop_process
+from tests.test_gateway_live_routing import hold_stream
 from tests.test_gateway_proxy import wait_until_routable
 
 LONG = ("--max-model-len", "1024", "--kv-cache-memory", "32MiB")
@@ -60,20 +61,11 @@ def running(engine: str) -> int:
     return engine_gauge(engine, "kvfleet_num_requests_running")
 
 
-def hold(engine: str, model: str, stop: threading.Event) -> None:
-    """A long stream sent to the engine directly; dropped when told (the engine then aborts it)."""
-    body = {"model": model, "prompt": "busy", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{engine}/v1/completions", json=body, timeout=120) as r:
-        for _ in r.iter_lines():
-            if stop.is_set():
-                return
-
-
 @contextmanager
 def saturated(engine: str, model: str, holders: int = 4) -> Iterator[None]:
     """The one-sequence engine kept busy with one request running and the rest waiting (--saturation-queue 1)."""
     stop = threading.Event()
-    threads = [threading.Thread(target=hold, args=(engine, model, stop)) for _ in range(holders)]
+    threads = [threading.Thread(target=hold_stream, args=(engine, model, stop, 1000)) for _ in range(holders)]
     for t in threads:
         t.start()
     try:

@@ -48,9 +48,9 @@ def waiting(engine: str) -> int:
     raise AssertionError("no kvfleet_num_requests_waiting")
 
 
-def hold_stream(url: str, model: str, stop: threading.Event) -> None:
+def hold_stream(url: str, model: str, stop: threading.Event, max_tokens: int = 700) -> None:
     """A long streamed request that the client drops when told to (the engine then aborts it)."""
-    body = {"model": model, "prompt": "busy", "max_tokens": 700, "ignore_eos": True, "stream": True}
+    body = {"model": model, "prompt": "busy", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         for _ in r.iter_lines():
             if stop.is_set():
