@@ -270,8 +270,10 @@ def test_a_gateway_replica_killed_while_its_requests_wait_in_redis(engines, mode
             served = [f.result(timeout=40) for f in mine]  # ((response, took), finished at)
         assert all(isinstance(err, httpx.TransportError) for err, _ in lost), lost
         assert all(isinstance(r, httpx.Response) and r.status_code == 200 for (r, _), _ in served), served
+        # released in queue order: the engine's one batch slot and its one waiting place take s0 and s1 together
+        # (their connections may reach it in either order), s2 only once s0 is done
         finished_order = sorted(range(3), key=lambda i: served[i][1])
-        assert finished_order == [0, 1, 2]  # in their queue order (the engine runs one at a time)
+        assert finished_order[-1] == 2, finished_order
         # heartbeat TTL (3 s) plus at most one reconcile interval (2 s), with room for a busy machine
         assert gone_after < 3 + 2 + 3
         assert store.zcard(queue_key(fleet)) == 0
