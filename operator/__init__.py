@@ -1,1 +1,0 @@
-"""The operator: InferenceFleet reconciler and KV-utilization autoscaler (issue 5)."""
