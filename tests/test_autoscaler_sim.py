@@ -1,4 +1,4 @@
-"""The autoscaling simulator's own parts (bench/autoscaler_sim.py): steady load, conservation, calibration,
+"""The autoscaling simulator's own parts (bench/autoscaler_sim/): steady load, conservation, calibration,
 determinism. Fast: seconds of pure Python, no processes."""
 
 from __future__ import annotations
