@@ -6,9 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -16,23 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvfleet.gateway.load import parse_engine_load
-from kvfleet.local_fleet import free_port, tail
-from kvfleet.redis_server import RedisServer
+from kvfleet.fleet.engine_settings import BENCH, EngineSettings
+from kvfleet.fleet.load import parse_engine_load
+from kvfleet.redis_server import RedisServer, free_port
+from kvfleet.supervisor import Child, kvfleet_command, stop_together
+from kvfleet.supervisor import spawn as spawn_child
 
 MODEL_NAME = "bench-model"  # what the engines serve and the clients ask for
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    url: str
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
 
 
 def model_dir(model: str) -> Path:
@@ -50,14 +37,10 @@ def model_dir(model: str) -> Path:
     return out
 
 
-def spawn(name: str, args: list[str], url: str, log_dir: Path) -> Proc:
+def spawn(name: str, args: list[str], url: str, log_dir: Path) -> Child:
     """`python -m kvfleet.cli <args>`, one thread for torch, output into <log_dir>/<name>.log."""
-    log_path = log_dir / f"{name}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log_path, "w") as log:
-        popen = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                 env=env, start_new_session=True)
-    return Proc(name, popen, url, log_path)
+    return spawn_child(name, kvfleet_command(*args), url=url, log_dir=log_dir, env=env)
 
 
 def get(url: str, timeout: float = 2.0) -> str | None:
@@ -69,30 +52,14 @@ def get(url: str, timeout: float = 2.0) -> str | None:
         return None
 
 
-def wait_for(proc: Proc, path: str, timeout_s: float = 300.0,
+def wait_for(proc: Child, path: str, timeout_s: float = 300.0,
              check: Callable[[str], bool] = lambda body: True) -> None:
     """Until GET <proc.url><path> answers 200 with a body that passes `check`; the log's end if it dies."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{tail(proc.log_path)}")
+    def answered() -> bool:
         body = get(proc.url + path)
-        if body is not None and check(body):
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"{proc.name} was not ready after {timeout_s:.0f} s; see {proc.log_path}")
+        return body is not None and check(body)
 
-
-def stop(procs: list[Proc], timeout_s: float = 30.0) -> None:
-    for p in procs:
-        if p.popen.poll() is None:
-            p.popen.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            p.popen.kill()
-            p.popen.wait()
+    proc.wait_ready(answered, timeout_s, poll_s=0.2)
 
 
 @dataclass
@@ -100,13 +67,13 @@ class BenchFleet:
     """Redis + one engine per entry of `max_num_seqs` + gateways in front of them all. A context manager."""
 
     model: str = "tiny"
-    max_num_seqs: list[int] = field(default_factory=lambda: [4])
+    max_num_seqs: list[int] = field(default_factory=lambda: [BENCH.max_num_seqs])
     max_model_len: int = 512
     kv_cache_memory: str = "32MiB"
     use_redis: bool = True
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvfleet-bench-")))
-    engines: list[Proc] = field(default_factory=list)
-    gateways: list[Proc] = field(default_factory=list)
+    engines: list[Child] = field(default_factory=list)
+    gateways: list[Child] = field(default_factory=list)
     redis: RedisServer | None = None
 
     def __enter__(self) -> BenchFleet:
@@ -130,9 +97,10 @@ class BenchFleet:
             self.redis = RedisServer().start()
         for i, seqs in enumerate(self.max_num_seqs):
             port = free_port()
-            args = ["engine", "--model", str(path), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
-                    "--port", str(port), "--max-model-len", str(self.max_model_len),
-                    "--kv-cache-memory", self.kv_cache_memory, "--max-num-seqs", str(seqs)]
+            settings = EngineSettings(model=str(path), max_model_len=self.max_model_len,
+                                      kv_cache_memory=self.kv_cache_memory, max_num_seqs=seqs)
+            args = ["engine", *settings.to_args(), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
+                    "--port", str(port)]
             self.engines.append(spawn(f"engine-{i}-seqs{seqs}", args, f"http://127.0.0.1:{port}", self.log_dir))
         for engine in self.engines:
             wait_for(engine, "/ready")
@@ -153,7 +121,7 @@ class BenchFleet:
         return gateway.url
 
     def stop_gateway(self) -> None:
-        stop(self.gateways)
+        stop_together(self.gateways)
         self.gateways = []
 
     def wait_idle(self, settle_s: float = 1.0, timeout_s: float = 120.0) -> None:
@@ -176,7 +144,7 @@ class BenchFleet:
 
     def close(self) -> None:
         self.stop_gateway()
-        stop(self.engines)
+        stop_together(self.engines)
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

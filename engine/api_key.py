@@ -9,7 +9,11 @@ from __future__ import annotations
 import hmac
 import json
 
-API_KEY_ENV = "KVFLEET_ENGINE_API_KEY"
+from kvfleet.fleet.engine_settings import ENGINE_API_KEY_ENV
+from kvfleet.fleet.errors import APIError
+from kvfleet.fleet.headers import AUTHORIZATION
+
+_AUTHORIZATION = AUTHORIZATION.encode()
 PROTECTED_PREFIX = "/v1/"
 
 
@@ -28,7 +32,7 @@ class EngineAPIKey:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope.get("path", "").startswith(PROTECTED_PREFIX):
-            headers = [value for name, value in scope.get("headers") or [] if name == b"authorization"]
+            headers = [value for name, value in scope.get("headers") or [] if name == _AUTHORIZATION]
             if len(headers) != 1 or not is_authorized(headers[0], self.token):
                 await _unauthorized(send)
                 return
@@ -36,10 +40,9 @@ class EngineAPIKey:
 
 
 async def _unauthorized(send) -> None:
-    body = json.dumps({"error": {
-        "message": "this engine needs `Authorization: Bearer <token>` with the fleet's engine API key "
-                   f"({API_KEY_ENV}); send the key the gateway was given",
-        "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}).encode()
+    error = APIError(401, "this engine needs `Authorization: Bearer <token>` with the fleet's engine API key "
+                          f"({ENGINE_API_KEY_ENV}); send the key the gateway was given", code="invalid_api_key")
+    body = json.dumps(error.body()).encode()
     await send({"type": "http.response.start", "status": 401, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         (b"www-authenticate", b"Bearer")]})

@@ -21,10 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from kvfleet.engine.api_errors import APIError, engine_fault, install_error_handlers
 from kvfleet.engine.api_key import EngineAPIKey
 from kvfleet.engine.async_engine import AsyncEngine, EngineDeadError
-from kvfleet.engine.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvfleet.engine.llm_engine import RequestError
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.openai_responses import Reply, chat_body, chat_events, completion_body, completion_events, sse
@@ -40,8 +38,11 @@ from kvfleet.engine.protocol import (
 from kvfleet.engine.request_checks import StrictJSONRoute, check_prompt_chars
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import QueueFullError
-from kvfleet.http_limits import BodyDeadline, HttpLimits
-from kvfleet.openai_schema import describe_unknown_fields
+from kvfleet.fleet.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from kvfleet.fleet.errors import APIError, engine_fault, install_error_handlers
+from kvfleet.fleet.headers import RETRY_AFTER
+from kvfleet.fleet.http_limits import BodyDeadline, HttpLimits
+from kvfleet.fleet.openai_schema import describe_unknown_fields
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 64  # prompts in one batched completions request
@@ -67,10 +68,10 @@ class ServerState:
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
             raise APIError(503, "the engine is shutting down; retry on another replica", "service_unavailable",
-                           headers={"retry-after": "1"})
+                           headers={RETRY_AFTER: "1"})
         if self.engine is None:
             raise APIError(503, "the model is still loading; retry shortly", "service_unavailable",
-                           headers={"retry-after": "2"})
+                           headers={RETRY_AFTER: "2"})
         return self.engine
 
 
@@ -262,7 +263,7 @@ async def _start(state: ServerState, engine: AsyncEngine, prompt: str | list[int
         raise APIError(400, str(err), param="prompt") from err
     except QueueFullError as err:
         state.metrics.rejected.labels("queue_full").inc()
-        raise APIError(429, str(err), "rate_limit_exceeded", headers={"retry-after": "1"}) from err
+        raise APIError(429, str(err), "rate_limit_exceeded", headers={RETRY_AFTER: "1"}) from err
     except EngineDeadError as err:
         raise engine_fault(str(err)) from err
 

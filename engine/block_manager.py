@@ -3,26 +3,29 @@
 After vLLM v1's block pool: a full block is named by a hash chain over its tokens and every
 token before it, so two requests with the same prefix share those blocks. A block whose last
 owner finished goes back to the free queue but keeps its hash, so it can still be hit until
-it is handed out again; the free queue hands out least recently freed blocks first.
+it is handed out again; the free queue hands out least recently freed blocks first. Block hashes are
+SHA-256 digests chained over token ids, as vLLM's are, so a hit is the same tokens, never a hash() collision.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvfleet.engine.sequence import Sequence
 
-# A random root per process: a prompt cannot be crafted offline to collide with another's block hash.
-_HASH_ROOT = int.from_bytes(os.urandom(8), "little")
+# A random root per process: no prompt can be crafted offline to share another's block hashes.
+_HASH_ROOT = os.urandom(32)
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
 
 
 class BlockManager:
@@ -35,7 +38,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self.cached_blocks: dict[bytes, int] = {}  # block hash -> block id
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -69,6 +72,10 @@ class BlockManager:
             found.append(block_id)
         return found
 
+    def cached_prefix_tokens(self, cached_prefix: list[int]) -> int:
+        """How many leading tokens of the prompt the cached prefix blocks (from find_cached_prefix) hold."""
+        return len(cached_prefix) * self.block_size
+
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens
         self.prefix_hits += num_hit_tokens
@@ -79,7 +86,7 @@ class BlockManager:
 
     def _new_blocks(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int]) -> int | None:
         """Fresh blocks seq needs for num_new_tokens more tokens after cached_prefix; None if they are not free."""
-        num_tokens = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        num_tokens = seq.num_computed_tokens + self.cached_prefix_tokens(cached_prefix) + num_new_tokens
         num_new_blocks = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached_prefix)
         reclaimed = sum(1 for block_id in cached_prefix if self.blocks[block_id].ref_count == 0)
         return None if num_new_blocks > self.num_free_blocks - reclaimed else num_new_blocks
@@ -134,12 +141,17 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The hash chain over seq's first num_blocks full blocks, extending seq.block_hashes as needed."""
         hashes = seq.block_hashes
         size = self.block_size
         while len(hashes) < num_blocks:
             index = len(hashes)
             parent = hashes[-1] if hashes else _HASH_ROOT
-            hashes.append(hash((parent, *seq.token_ids_slice(index * size, (index + 1) * size))))
+            hashes.append(block_key(parent, seq.token_ids_slice(index * size, (index + 1) * size)))
         return hashes
+
+
+def block_key(parent: bytes, token_ids: list[int]) -> bytes:
+    """A full block's name: SHA-256 over its parent's name and its token ids (as 64-bit integers)."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()

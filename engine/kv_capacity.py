@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfleet.engine.config import format_size
+from kvfleet.fleet.sizes import format_size
 
 
 class KVCacheTooSmallError(ValueError):

@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from kvfleet.engine.llm_engine import EngineStats
 from kvfleet.engine.outputs import RequestOutput
+from kvfleet.fleet import metrics as names
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -28,25 +29,25 @@ class _StatsCollector(Collector):
         if stats is None:
             return
         gauges = {
-            "kvfleet_kv_cache_usage": ("KV-cache blocks in use, 0-1", stats.kv_cache_usage),
-            "kvfleet_kv_cache_blocks_total": ("KV-cache blocks in the pool", stats.kv_blocks_total),
-            "kvfleet_kv_cache_blocks_free": ("KV-cache blocks free (cached-but-free count as free)",
-                                             stats.kv_blocks_free),
-            "kvfleet_num_requests_running": ("requests in the running batch", stats.num_running),
-            "kvfleet_num_requests_waiting": ("requests waiting to be admitted", stats.num_waiting),
-            "kvfleet_max_num_seqs": ("the most requests the engine runs at once (--max-num-seqs)",
-                                     stats.max_num_seqs),
+            names.KV_CACHE_USAGE: ("KV-cache blocks in use, 0-1", stats.kv_cache_usage),
+            names.KV_CACHE_BLOCKS_TOTAL: ("KV-cache blocks in the pool", stats.kv_blocks_total),
+            names.KV_CACHE_BLOCKS_FREE: ("KV-cache blocks free (cached-but-free count as free)",
+                                         stats.kv_blocks_free),
+            names.NUM_REQUESTS_RUNNING: ("requests in the running batch", stats.num_running),
+            names.NUM_REQUESTS_WAITING: ("requests waiting to be admitted", stats.num_waiting),
+            names.MAX_NUM_SEQS: ("the most requests the engine runs at once (--max-num-seqs)",
+                                 stats.max_num_seqs),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
-            "kvfleet_num_preemptions": ("sequences preempted (for KV blocks or a higher-priority request)",
-                                        stats.num_preemptions),
-            "kvfleet_prompt_tokens": ("prompt tokens of requests that produced a token", stats.prompt_tokens),
-            "kvfleet_generation_tokens": ("tokens generated", stats.generation_tokens),
-            "kvfleet_prefix_cache_queries": ("prompt tokens looked up in the prefix cache",
-                                             stats.prefix_cache_queries),
-            "kvfleet_prefix_cache_hits": ("prompt tokens found in the prefix cache", stats.prefix_cache_hits),
+            names.NUM_PREEMPTIONS: ("sequences preempted (for KV blocks or a higher-priority request)",
+                                    stats.num_preemptions),
+            names.PROMPT_TOKENS: ("prompt tokens of requests that produced a token", stats.prompt_tokens),
+            names.GENERATION_TOKENS: ("tokens generated", stats.generation_tokens),
+            names.PREFIX_CACHE_QUERIES: ("prompt tokens looked up in the prefix cache",
+                                         stats.prefix_cache_queries),
+            names.PREFIX_CACHE_HITS: ("prompt tokens found in the prefix cache", stats.prefix_cache_hits),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
@@ -57,18 +58,18 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_StatsCollector(read_stats))
         r = self.registry
-        self.rejected = Counter("kvfleet_requests_rejected", "requests refused, by reason", ["reason"], registry=r)
-        self.ignored_fields = Counter("kvfleet_request_ignored_fields", "unknown request fields ignored", registry=r)
-        self.ttft = Histogram("kvfleet_time_to_first_token_seconds", "arrival to first token",
+        self.rejected = Counter(names.REQUESTS_REJECTED, "requests refused, by reason", ["reason"], registry=r)
+        self.ignored_fields = Counter(names.REQUEST_IGNORED_FIELDS, "unknown request fields ignored", registry=r)
+        self.ttft = Histogram(names.TIME_TO_FIRST_TOKEN, "arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("kvfleet_inter_token_latency_seconds", "mean time between a request's tokens",
+        self.itl = Histogram(names.INTER_TOKEN_LATENCY, "mean time between a request's tokens",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("kvfleet_e2e_request_latency_seconds", "arrival to finish", buckets=LATENCY_BUCKETS,
+        self.e2e = Histogram(names.E2E_REQUEST_LATENCY, "arrival to finish", buckets=LATENCY_BUCKETS,
                              registry=r)
-        self.queue = Histogram("kvfleet_request_queue_time_seconds", "arrival to first scheduled",
+        self.queue = Histogram(names.REQUEST_QUEUE_TIME, "arrival to first scheduled",
                                buckets=LATENCY_BUCKETS, registry=r)
-        self.batch = Histogram("kvfleet_batch_size", "sequences in a step", buckets=BATCH_BUCKETS, registry=r)
-        self.step = Histogram("kvfleet_step_seconds", "time of one engine step", buckets=LATENCY_BUCKETS, registry=r)
+        self.batch = Histogram(names.BATCH_SIZE, "sequences in a step", buckets=BATCH_BUCKETS, registry=r)
+        self.step = Histogram(names.STEP_SECONDS, "time of one engine step", buckets=LATENCY_BUCKETS, registry=r)
         for reason in ("queue_full", "invalid", "draining"):
             self.rejected.labels(reason)
 

@@ -11,7 +11,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from kvfleet.fleet.engine_settings import DEFAULT_MODEL
+
 CONVERTER_VERSION = 1  # bump when the converted layout changes, so caches are rebuilt
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
 
-from kvfleet.engine.api_errors import APIError, engine_fault
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.sampler import TokenLogprobs
 from kvfleet.engine.tokenizer import Tokenizer
+from kvfleet.fleet.errors import APIError, engine_fault
 
 log = logging.getLogger("kvfleet.engine")
 

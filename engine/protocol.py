@@ -1,10 +1,10 @@
-"""Request bodies (the strict shared schema in kvfleet.openai_schema) checked against this model, and mapped onto
+"""Request bodies (the strict shared schema in kvfleet.fleet.openai_schema) checked against this model, and mapped onto
 SamplingParams."""
 
 from __future__ import annotations
 
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.openai_schema import (
+from kvfleet.fleet.openai_schema import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,

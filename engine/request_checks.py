@@ -15,8 +15,8 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
-from kvfleet.engine.api_errors import APIError
-from kvfleet.openai_schema import SCHEMAS, RequestSchemaError, parse_json, validate_request
+from kvfleet.fleet.errors import APIError
+from kvfleet.fleet.openai_schema import SCHEMAS, RequestSchemaError, parse_json, validate_request
 
 
 def max_prompt_chars(max_model_len: int, max_token_chars: int) -> int:

@@ -127,7 +127,7 @@ class Scheduler:
     def _first_chunk(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
         """A waiting sequence's cached prefix blocks, and the new tokens it would compute on admission."""
         cached = self.block_manager.find_cached_prefix(seq)
-        return cached, min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+        return cached, min(seq.num_tokens - self.block_manager.cached_prefix_tokens(cached), budget)
 
     def _may_admit(self) -> bool:
         """Static batching admits only while its batch is forming: until a member starts decoding."""
@@ -139,7 +139,7 @@ class Scheduler:
             if any(seq is victim for victim in out.preempted):  # made room for others this step: not back at once
                 break
             cached, num_new = self._first_chunk(seq, budget)
-            num_cached_tokens = len(cached) * self.block_manager.block_size
+            num_cached_tokens = self.block_manager.cached_prefix_tokens(cached)
             if not self.block_manager.allocate(seq, num_new, cached):
                 break
             heapq.heappop(self._waiting)

@@ -38,7 +38,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # hash chain over full blocks, grown lazily
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain over full blocks, grown lazily
     status: SequenceStatus = SequenceStatus.WAITING
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     num_preemptions: int = 0

@@ -14,7 +14,7 @@ from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.request_checks import max_prompt_chars
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.http_server import server_config
+from kvfleet.fleet.http_server import server_config
 
 log = logging.getLogger("kvfleet.engine")
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvfleet.gateway.priority import Priority
+from kvfleet.fleet.headers import PRIORITY as PRIORITY_HEADER
+from kvfleet.fleet.priority import Priority
 
 
 class Action(StrEnum):
@@ -28,7 +29,7 @@ def admit(priority: Priority, fleet_has_capacity: bool, queued_total: int, queue
         return Verdict(Action.ROUTE)
     if priority is Priority.SHEDDABLE:  # others waiting means the fleet is saturated too: sheddable never waits
         return Verdict(Action.SHED, "saturated", "every engine is saturated and sheddable requests are not queued; "
-                                                 "retry later or send a higher x-kvfleet-priority")
+                                                 f"retry later or send a higher {PRIORITY_HEADER}")
     if queued_in_class >= class_cap:
         return Verdict(Action.SHED, "queue_full", f"the fleet queue for {priority.value} requests is full "
                                                   f"({class_cap} waiting); retry later")

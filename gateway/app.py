@@ -20,8 +20,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvfleet.engine.api_errors import APIError, install_error_handlers
-from kvfleet.engine.body_limit import BodyLimit
+from kvfleet.fleet import headers
+from kvfleet.fleet.body_limit import BodyLimit
+from kvfleet.fleet.errors import APIError, install_error_handlers
+from kvfleet.fleet.http_limits import BodyDeadline
+from kvfleet.fleet.openai_schema import RequestSchemaError, parse_json, validate_request
+from kvfleet.fleet.priority import DEFAULT_PRIORITY, Priority, forwarded_engine_priority, parse_priority
 from kvfleet.gateway.admission import Action, admit, retry_after_seconds
 from kvfleet.gateway.client_gone import unless_client_leaves
 from kvfleet.gateway.config import GatewayConfig
@@ -29,19 +33,12 @@ from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.fleet_queue import FleetQueue, Outcome
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix import PrefixAffinity, prompt_text
-from kvfleet.gateway.priority import Priority, parse_priority
 from kvfleet.gateway.proxy import Forwarder
 from kvfleet.gateway.routing import available, free_slots
 from kvfleet.gateway.scraper import Scraper
 from kvfleet.gateway.usage import Settlement, ask_stream_usage, request_cost
-from kvfleet.http_limits import BodyDeadline
-from kvfleet.openai_schema import RequestSchemaError, parse_json, validate_request
 
 log = logging.getLogger("kvfleet.gateway")
-
-# vLLM's semantics: lower runs first. Sheddable work an engine has accepted is not pushed back there: engines
-# order strictly by priority, without the gateway queue's aging, so it could starve behind a steady stream.
-ENGINE_PRIORITY = {Priority.CRITICAL: -1, Priority.STANDARD: 0, Priority.SHEDDABLE: 0}
 
 
 @dataclass
@@ -135,22 +132,22 @@ class Gateway:
 
     # ---- one request --------------------------------------------------------------------------------------
     async def handle(self, request: Request, path: str) -> Response:
-        request_id = _request_id(request.headers.get("x-request-id"))
-        priority = Priority.STANDARD
+        request_id = _request_id(request.headers.get(headers.REQUEST_ID))
+        priority = DEFAULT_PRIORITY
         try:
             try:
-                priority = parse_priority(request.headers.get("x-kvfleet-priority"))
+                priority = parse_priority(request.headers.get(headers.PRIORITY))
             except ValueError as err:
-                raise APIError(400, str(err), param="x-kvfleet-priority") from None
+                raise APIError(400, str(err), param=headers.PRIORITY) from None
             response = await self._handle(request, path, request_id, priority)
         except APIError as err:
             response = err.response()
-        response.headers["x-request-id"] = request_id
+        response.headers[headers.REQUEST_ID] = request_id
         self.metrics.requests.labels(priority.value, str(response.status_code)).inc()
         return response
 
     async def _handle(self, request: Request, path: str, request_id: str, priority: Priority) -> Response:
-        max_queue_ms = self._max_queue_ms(request.headers.get("x-kvfleet-max-queue-ms"))
+        max_queue_ms = self._max_queue_ms(request.headers.get(headers.MAX_QUEUE_MS))
         key = await self._authenticate(request)
         raw = await request.body()
         try:  # the engines' own strict schema: a body they would refuse never waits in the queue or costs a retry
@@ -160,12 +157,14 @@ class Gateway:
             raise APIError(400, err.message, param=err.param) from None
         hashes = self.prefix.block_hashes(prompt_text(body)) if self.config.routing == "kvfleet" else []
         settlement = await self._limit(key, body)
-        changed = "priority" in body and not getattr(key, "allow_priority", False)
-        if changed:  # the gateway alone sets engine priority, unless the key may (allow_priority in the keys file)
+        # the trust rule (kvfleet.fleet.priority): a body's priority reaches the engine only from a trusted key
+        engine_priority = forwarded_engine_priority(priority, body.get("priority"),
+                                                    getattr(key, "allow_priority", False), self.config.forward_priority)
+        changed = engine_priority != body.get("priority")
+        if changed and engine_priority is None:
             del body["priority"]
-        if self.config.forward_priority and ENGINE_PRIORITY[priority] and "priority" not in body:
-            body["priority"] = ENGINE_PRIORITY[priority]  # the engine admits and preempts by it too
-            changed = True
+        elif changed:
+            body["priority"] = engine_priority  # the engine admits and preempts by it too
         if settlement is not None and ask_stream_usage(body):
             settlement.hide_stream_usage = changed = True  # the count comes from the usage chunk, hidden again
         if changed:
@@ -210,8 +209,8 @@ class Gateway:
         if outcome is Outcome.EXPIRED:
             self.metrics.shed.labels(priority.value, "deadline").inc()
             raise APIError(503, f"the fleet stayed saturated for {max_queue_ms:.0f} ms, the longest this request "
-                                "may wait (x-kvfleet-max-queue-ms); retry later", "service_unavailable",
-                           code="queue_timeout", headers={"retry-after": str(self._retry_after())})
+                                f"may wait ({headers.MAX_QUEUE_MS}); retry later", "service_unavailable",
+                           code="queue_timeout", headers={headers.RETRY_AFTER: str(self._retry_after())})
         if outcome is Outcome.DISCONNECTED:
             self.metrics.shed.labels(priority.value, "disconnected").inc()
             raise APIError(499, "the client closed the connection while queued", code="client_closed")
@@ -219,7 +218,7 @@ class Gateway:
     def _shed(self, priority: Priority, reason: str, message: str) -> APIError:
         self.metrics.shed.labels(priority.value, reason).inc()
         return APIError(429, message, "rate_limit_exceeded", code=f"shed_{reason}",
-                        headers={"retry-after": str(self._retry_after())})
+                        headers={headers.RETRY_AFTER: str(self._retry_after())})
 
     def _retry_after(self) -> int:
         return retry_after_seconds(self.queue.total(), self.queue.drain_rate_per_s())
@@ -233,8 +232,8 @@ class Gateway:
         except ValueError:
             value = -1.0
         if not 0 <= value <= limit:
-            raise APIError(400, f"x-kvfleet-max-queue-ms must be a number of milliseconds from 0 to {limit:.0f}, "
-                                f"not {header!r}", param="x-kvfleet-max-queue-ms")
+            raise APIError(400, f"{headers.MAX_QUEUE_MS} must be a number of milliseconds from 0 to {limit:.0f}, "
+                                f"not {header!r}", param=headers.MAX_QUEUE_MS)
         return value
 
     async def _authenticate(self, request: Request) -> object | None:
@@ -257,7 +256,7 @@ class Gateway:
             per = "requests" if verdict.reason == "rpm" else "tokens"
             raise APIError(429, f"API key {key.key_id} is over its {per}-per-minute limit; retry in "
                                 f"{verdict.retry_after_s} s", "rate_limit_exceeded", code=f"{verdict.reason}_limit",
-                           headers={"retry-after": str(verdict.retry_after_s)})
+                           headers={headers.RETRY_AFTER: str(verdict.retry_after_s)})
         reservation = verdict.reservation
         if cost is None or reservation is None:
             return None
@@ -338,15 +337,15 @@ def build_app(gateway: Gateway) -> FastAPI:
         url = gateway.forwarder.choose([], must=True)
         if url is None:
             raise APIError(503, "no engine is available yet; retry shortly", "service_unavailable",
-                           code="no_engine", headers={"retry-after": "1"})
+                           code="no_engine", headers={headers.RETRY_AFTER: "1"})
         try:
             key = gateway.config.engine_api_key
             upstream = await gateway.client.get(f"{url}/v1/models", timeout=5.0,
-                                                headers={"authorization": f"Bearer {key}"} if key else None)
+                                                headers={headers.AUTHORIZATION: f"Bearer {key}"} if key else None)
         except httpx.HTTPError as err:
             raise APIError(502, f"engine {url} failed: {type(err).__name__}", "server_error") from err
         return Response(upstream.content, upstream.status_code, media_type="application/json",
-                        headers={"x-kvfleet-engine": url})
+                        headers={headers.ENGINE: url})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvfleet.fleet.headers import API_KEY, AUTHORIZATION
+
 HASH_PREFIX = "sha256:"
 LIMIT_OPTIONS = ("rpm", "tpm")
 BOOLEAN_OPTIONS = ("allow_priority",)
@@ -173,9 +175,9 @@ class ApiKeyStore:
     def authenticate_headers(self, headers: Mapping[str, str]) -> KeyInfo | None:
         """`authorization: Bearer <key>` if it holds a valid key, else the raw key in `x-api-key`."""
         lowered = {k.lower(): v for k, v in headers.items()}
-        info = self.authenticate(lowered.get("authorization"))
-        if info is None and lowered.get("x-api-key"):
-            info = self.lookup(lowered["x-api-key"].strip())
+        info = self.authenticate(lowered.get(AUTHORIZATION))
+        if info is None and lowered.get(API_KEY):
+            info = self.lookup(lowered[API_KEY].strip())
         return info
 
     def lookup(self, key: str) -> KeyInfo | None:

@@ -5,12 +5,18 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvfleet.fleet.engine_settings import ENGINE_API_KEY_ENV
+from kvfleet.fleet.headers import MAX_QUEUE_MS
+from kvfleet.fleet.http_limits import HttpLimits
+from kvfleet.fleet.pods import ENGINE_PORT_NAME
+from kvfleet.fleet.priority import Priority, engine_priority
+from kvfleet.fleet.redis_keys import key_prefix
 from kvfleet.gateway.config import ROUTING_STRATEGIES, GatewayConfig, parse_queue_caps
 from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
-from kvfleet.http_limits import HttpLimits
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    d0 = GatewayConfig()  # the defaults are GatewayConfig's (tests/test_settings_single_source.py)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8080)
     d = p.add_argument_group("discovery (one of)")
@@ -18,34 +24,37 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="an engine's base URL, e.g. http://127.0.0.1:8000 (repeatable)")
     d.add_argument("--k8s-namespace", default=None, help="watch ready engine pods in this namespace")
     d.add_argument("--k8s-selector", default=None, help="label selector of the engine pods, e.g. kvfleet.io/fleet=chat")
-    d.add_argument("--k8s-port-name", default="http", help="the engine container's port name")
+    d.add_argument("--k8s-port-name", default=ENGINE_PORT_NAME, help="the engine container's port name")
     q = p.add_argument_group("fleet queue")
-    q.add_argument("--fleet", default="default", help="fleet name; Redis keys start with kvfleet:{<fleet>}:")
+    q.add_argument("--fleet", default=d0.fleet, help=f"fleet name; Redis keys start with {key_prefix('<fleet>')}")
     q.add_argument("--redis-url", default=None,
                    help="redis://[:password@]host:port/db shared by all gateway replicas; without it, or while it "
                         "is unreachable, requests queue in this process")
-    q.add_argument("--max-queue-ms", type=float, default=30_000.0,
+    q.add_argument("--max-queue-ms", type=float, default=d0.default_max_queue_ms,
                    help="default longest wait in the queue (a request may lower or raise it with "
-                        "x-kvfleet-max-queue-ms, up to 600000)")
-    q.add_argument("--aging-ms", type=float, default=10_000.0,
+                        f"{MAX_QUEUE_MS}, up to {d0.max_queue_ms_limit:.0f})")
+    q.add_argument("--aging-ms", type=float, default=d0.aging_ms,
                    help="a request that has waited this long goes ahead of new arrivals one class above it")
     q.add_argument("--queue-caps", default="", help="per-class queue caps, e.g. critical=1000,standard=1000,"
                                                      "sheddable=100 (over the cap: 429)")
     r = p.add_argument_group("routing")
-    r.add_argument("--routing", choices=ROUTING_STRATEGIES, default="kvfleet")
-    r.add_argument("--weight-queue", type=float, default=2.0)
-    r.add_argument("--weight-kv", type=float, default=2.0)
-    r.add_argument("--weight-prefix", type=float, default=3.0)
-    r.add_argument("--saturation-queue", type=int, default=5, help="an engine with this many waiting is saturated")
-    r.add_argument("--saturation-kv", type=float, default=0.8, help="an engine at this KV usage is saturated")
-    r.add_argument("--max-metrics-age-ms", type=float, default=200.0,
+    r.add_argument("--routing", choices=ROUTING_STRATEGIES, default=d0.routing)
+    r.add_argument("--weight-queue", type=float, default=d0.weights.queue)
+    r.add_argument("--weight-kv", type=float, default=d0.weights.kv)
+    r.add_argument("--weight-prefix", type=float, default=d0.weights.prefix)
+    r.add_argument("--saturation-queue", type=int, default=d0.saturation.max_queue,
+                   help="an engine with this many waiting is saturated")
+    r.add_argument("--saturation-kv", type=float, default=d0.saturation.max_kv_usage,
+                   help="an engine at this KV usage is saturated")
+    r.add_argument("--max-metrics-age-ms", type=float, default=d0.saturation.max_metrics_age_s * 1000.0,
                    help="an engine whose metrics are older than this counts as saturated")
-    r.add_argument("--scrape-interval-ms", type=float, default=75.0)
-    r.add_argument("--forward-priority", action=argparse.BooleanOptionalAction, default=True,
-                   help="set the request body's vLLM `priority` to -1 for critical requests so engines run them "
-                        "first; turn off for vLLM pods without --scheduling-policy priority")
-    r.add_argument("--eject-after-failures", type=int, default=3)
-    r.add_argument("--eject-seconds", type=float, default=10.0)
+    r.add_argument("--scrape-interval-ms", type=float, default=d0.scrape_interval_s * 1000.0)
+    r.add_argument("--forward-priority", action=argparse.BooleanOptionalAction, default=d0.forward_priority,
+                   help=f"set the request body's vLLM `priority` to {engine_priority(Priority.CRITICAL)} for critical "
+                        "requests so engines run them first; turn off for vLLM pods without --scheduling-policy "
+                        "priority")
+    r.add_argument("--eject-after-failures", type=int, default=d0.eject_after_failures)
+    r.add_argument("--eject-seconds", type=float, default=d0.eject_seconds)
     a = p.add_argument_group("access control")
     a.add_argument("--api-keys-file", default=None,
                    help="one key per line: <key or sha256:<hex>> [name=N] [rpm=N] [tpm=N] "
@@ -54,12 +63,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="read the keys from a Kubernetes Secret (same line format in each value)")
     a.add_argument("--rpm-per-key", type=int, default=None, help="default requests per minute per key")
     a.add_argument("--tpm-per-key", type=int, default=None, help="default tokens per minute per key")
-    a.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    a.add_argument("--engine-api-key", default=os.environ.get("KVFLEET_ENGINE_API_KEY") or None,
+    a.add_argument("--max-body-bytes", type=int, default=d0.max_body_bytes)
+    a.add_argument("--engine-api-key", default=os.environ.get(ENGINE_API_KEY_ENV) or None,
                    help="the engines' shared token (their --api-key), sent upstream as 'Authorization: Bearer' "
-                        "(default: env KVFLEET_ENGINE_API_KEY)")
+                        f"(default: env {ENGINE_API_KEY_ENV})")
     a.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
-    lim = HttpLimits()
+    lim = d0.http_limits
     c = p.add_argument_group("client and engine limits")
     c.add_argument("--max-header-count", type=int, default=lim.max_header_count, help="more headers: 431")
     c.add_argument("--max-header-bytes", type=int, default=lim.max_header_bytes,
@@ -70,13 +79,14 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="a request body that takes longer to arrive: 408")
     c.add_argument("--max-connections", type=int, default=lim.max_connections,
                    help="open client connections per replica; beyond it: 503")
-    c.add_argument("--upstream-first-byte-timeout", type=float, default=300.0, metavar="SECONDS",
+    c.add_argument("--upstream-first-byte-timeout", type=float, default=d0.upstream_first_byte_timeout_s,
+                   metavar="SECONDS",
                    help="longest wait for an engine's response headers (after the first token when streaming, "
                         "the whole answer otherwise); then the engine counts as failed")
-    c.add_argument("--upstream-idle-timeout", type=float, default=60.0, metavar="SECONDS",
+    c.add_argument("--upstream-idle-timeout", type=float, default=d0.upstream_idle_timeout_s, metavar="SECONDS",
                    help="longest gap between two chunks of an engine's answer; then it counts as failed")
     c.add_argument("--engine-unreachable-after", type=float,
-                   default=GatewayConfig.engine_unreachable_after_s, metavar="SECONDS",
+                   default=d0.engine_unreachable_after_s, metavar="SECONDS",
                    help="an engine whose /metrics times out this long in a row is unhealthy, and the requests "
                         "waiting on it end at once (retried elsewhere, or streams end with an error event)")
 

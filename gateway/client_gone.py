@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from kvfleet.engine.api_errors import APIError
+from kvfleet.fleet.errors import APIError
 
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[dict[str, Any]]]

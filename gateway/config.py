@@ -5,11 +5,14 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from kvfleet.gateway.priority import Priority
-from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
-from kvfleet.http_limits import HttpLimits
+from kvfleet.fleet.body_limit import DEFAULT_MAX_BODY_BYTES
+from kvfleet.fleet.engine_settings import ENGINE_API_KEY_ENV
+from kvfleet.fleet.http_limits import HttpLimits
+from kvfleet.fleet.pods import ENGINE_PORT_NAME
+from kvfleet.fleet.priority import Priority
+from kvfleet.gateway.routing import STRATEGIES, SaturationPolicy, ScoreWeights
 
-ROUTING_STRATEGIES = ("kvfleet", "least-request", "round-robin")
+ROUTING_STRATEGIES = tuple(STRATEGIES)  # the routing registry's names, in its order
 DEFAULT_CAPS = {Priority.CRITICAL: 1000, Priority.STANDARD: 1000, Priority.SHEDDABLE: 100}
 
 
@@ -18,7 +21,7 @@ class GatewayConfig:
     engines: list[str] = field(default_factory=list)  # static discovery
     k8s_namespace: str | None = None  # Kubernetes discovery (with k8s_selector)
     k8s_selector: str | None = None
-    k8s_port_name: str = "http"
+    k8s_port_name: str = ENGINE_PORT_NAME
     fleet: str = "default"
     redis_url: str | None = None
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -40,7 +43,7 @@ class GatewayConfig:
     engine_api_key: str | None = field(default=None, repr=False)  # sent upstream as `Authorization: Bearer <key>`
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     enable_docs: bool = False  # /docs, /redoc and /openapi.json
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     forward_priority: bool = True  # set the body's `priority` (vLLM semantics) from the class
     api_keys_file: str | None = None
     api_keys_secret: str | None = None  # namespace/name of a Kubernetes Secret
@@ -73,7 +76,7 @@ class GatewayConfig:
         if self.engine_unreachable_after_s < 1:
             raise ValueError("--engine-unreachable-after must be at least 1 second (one scrape timeout)")
         if self.engine_api_key is not None and (not self.engine_api_key or not self.engine_api_key.isprintable()):
-            raise ValueError("--engine-api-key (KVFLEET_ENGINE_API_KEY) must be non-empty printable text")
+            raise ValueError(f"--engine-api-key ({ENGINE_API_KEY_ENV}) must be non-empty printable text")
         if self.api_keys_file and self.api_keys_secret:
             raise ValueError("use either --api-keys-file or --api-keys-secret, not both")
         if not self.fleet or any(c in self.fleet for c in "{}: "):

@@ -10,15 +10,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from kvfleet.fleet.pods import ENGINE_PORT_NAME, pod_endpoint
+
 if TYPE_CHECKING:
-    from kubernetes.client import ApiClient, V1Pod
+    from kubernetes.client import ApiClient
     from kubernetes.watch import Watch
 
 logger = logging.getLogger(__name__)
 
 OnChange = Callable[[frozenset[str]], None]  # the full set of ready engine base URLs
 
-DEFAULT_ENGINE_PORT = 8000
 URL_HINT = "engine URLs look like http://10.0.0.5:8000"
 
 
@@ -37,30 +38,6 @@ def normalize_engine_url(url: str) -> str:
         raise ValueError(f"engine URL {url!r} must hold only a scheme, host and port "
                          f"(no path, query or credentials); {URL_HINT}")
     return f"{parts.scheme}://{parts.netloc}"
-
-
-def pod_endpoint(pod: dict[str, Any] | V1Pod, port_name: str = "http") -> str | None:
-    """The engine URL of a pod that is Ready, has an IP and is not being deleted; None for any other pod."""
-    if not isinstance(pod, dict):
-        pod = pod.to_dict(serialize=True)  # the API's camelCase names, like a raw watch event
-    metadata = pod.get("metadata") or {}
-    status = pod.get("status") or {}
-    ip = status.get("podIP")
-    if metadata.get("deletionTimestamp") or not ip:
-        return None
-    conditions = status.get("conditions") or []
-    if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
-        return None
-    host = f"[{ip}]" if ":" in ip else ip  # IPv6
-    return f"http://{host}:{_container_port(pod, port_name)}"
-
-
-def _container_port(pod: dict[str, Any], port_name: str) -> int:
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            if port.get("name") == port_name and port.get("containerPort"):
-                return int(port["containerPort"])
-    return DEFAULT_ENGINE_PORT
 
 
 def _pod_key(pod: dict[str, Any]) -> str:
@@ -85,8 +62,8 @@ class KubernetesDiscovery:
     min_backoff_seconds = 0.5
     max_backoff_seconds = 10.0
 
-    def __init__(self, namespace: str, selector: str, port_name: str = "http", api_client: ApiClient | None = None,
-                 *, watch_timeout_seconds: int = 30) -> None:
+    def __init__(self, namespace: str, selector: str, port_name: str = ENGINE_PORT_NAME,
+                 api_client: ApiClient | None = None, *, watch_timeout_seconds: int = 30) -> None:
         from kubernetes.client import CoreV1Api  # importing the client takes a second; static fleets never need it
 
         self.namespace = namespace

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvfleet.gateway.load import EngineLoad
+from kvfleet.fleet.load import EngineLoad
 from kvfleet.gateway.routing import EndpointSnapshot
 
 

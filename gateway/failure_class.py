@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import Enum
 
-FAULT_HEADER = "x-kvfleet-fault"  # the engine sets `x-kvfleet-fault: engine` on every 5xx that is its own fault
+from kvfleet.fleet.headers import ENGINE_FAULT, FAULT
+
+FAULT_HEADER = FAULT  # the engine sets it to ENGINE_FAULT on every 5xx that is its own fault
 GATEWAY_STATUSES = (502, 504)  # a proxy between gateway and engine (a sidecar, a load balancer) lost the engine
 
 
@@ -25,7 +27,7 @@ def classify(status: int, headers: Mapping[str, str]) -> AnswerClass:
     """The class of an engine's answer from its status and headers (header names lower-case, as httpx gives them)."""
     if status < 400:
         return AnswerClass.OK
-    marked = headers.get(FAULT_HEADER, "").strip().lower() == "engine"
+    marked = headers.get(FAULT_HEADER, "").strip().lower() == ENGINE_FAULT
     if status >= 500 and marked or status in GATEWAY_STATUSES:
         return AnswerClass.FAULT
     if status in (429, 503):

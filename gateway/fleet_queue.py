@@ -19,8 +19,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.local_queue import LocalQueue
-from kvfleet.gateway.priority import Priority, QueueEntry, queue_score
+from kvfleet.gateway.queue_order import QueueEntry, queue_score
 from kvfleet.gateway.redis_queue import RedisQueue
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class FleetQueue:
             await self._remove(entry_id)
         if self.client is not None:
             try:
-                await self.client.delete(f"{self.redis.prefix}gateway:{self.gateway_id}")
+                await self.client.delete(self.redis.heartbeat_key)
             except REDIS_DOWN:
                 pass
             await self.client.aclose()

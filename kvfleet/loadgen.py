@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvfleet.gateway.priority import PRIORITY_NAMES, Priority
+from kvfleet.fleet import headers as fleet_headers
+from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # Common short English words: most are one token each in a BPE vocabulary, so words ≈ tokens.
@@ -179,11 +180,11 @@ class TargetUnreachable(Exception):
 def _headers(spec: LoadSpec, priority: str | None = None) -> dict[str, str]:
     headers = {}
     if priority:
-        headers["x-kvfleet-priority"] = priority
+        headers[fleet_headers.PRIORITY] = priority
     if spec.max_queue_ms is not None:
-        headers["x-kvfleet-max-queue-ms"] = str(spec.max_queue_ms)
+        headers[fleet_headers.MAX_QUEUE_MS] = str(spec.max_queue_ms)
     if spec.api_key:
-        headers["authorization"] = f"Bearer {spec.api_key}"
+        headers[fleet_headers.AUTHORIZATION] = f"Bearer {spec.api_key}"
     return headers
 
 
@@ -235,8 +236,8 @@ async def _stream(client: httpx.AsyncClient, spec: LoadSpec, model: str, req: Pl
     async with client.stream("POST", spec.url + ENDPOINTS[spec.endpoint], json=_body(spec, model, req.prompt),
                              headers=_headers(spec, req.priority)) as response:
         record.status = response.status_code
-        record.engine = response.headers.get("x-kvfleet-engine")
-        record.retry_after = response.headers.get("retry-after")
+        record.engine = response.headers.get(fleet_headers.ENGINE)
+        record.retry_after = response.headers.get(fleet_headers.RETRY_AFTER)
         if response.status_code != 200:
             record.error = _error_text(await response.aread())
             return

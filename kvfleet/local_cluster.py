@@ -13,8 +13,6 @@ import json
 import logging
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,10 +21,12 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvfleet.fleet.engine_settings import DEFAULT_MODEL, LOCAL_CLUSTER
 from kvfleet.kube_emulator import KubeEmulator
-from kvfleet.local_fleet import ENGINE_API_KEY_ENV, engine_env, port_is_free, run_until_signal, tail
+from kvfleet.local_fleet import ENGINE_API_KEY_ENV, engine_env, port_is_free, run_until_signal
 from kvfleet.local_kubelet import LocalKubelet
 from kvfleet.operator.fleet_spec import (
+    DEFAULT_IMAGE,
     ENGINE_API_KEY_SECRET_KEY,
     GROUP,
     KIND,
@@ -36,6 +36,7 @@ from kvfleet.operator.fleet_spec import (
     parse_fleet,
 )
 from kvfleet.redis_server import RedisServer, free_port
+from kvfleet.supervisor import Child, Supervisor, http_ok, kvfleet_command
 
 ENGINE_AUTH_SECRET = "kvfleet-engine-auth"  # as the chart's <release>-kvfleet-engine-auth
 
@@ -96,12 +97,14 @@ class ClusterSpec:
     verbose: bool = False  # the API emulator's access log and the local kubelet's lines in the terminal too
 
 
-def default_fleet(name: str = "chat", model: str = "smollm2-135m-instruct", max_replicas: int = 2,
-                  max_num_seqs: int = 16, kv_cache_memory: str = "256Mi") -> dict:
-    """A small CPU fleet, as charts/kvfleet/examples' CPU fleet but sized for a laptop."""
+def default_fleet(name: str = "chat", model: str = DEFAULT_MODEL, max_replicas: int = 2,
+                  max_num_seqs: int = LOCAL_CLUSTER.max_num_seqs,
+                  kv_cache_memory: str | None = LOCAL_CLUSTER.kv_cache_memory) -> dict:
+    """A small CPU fleet, as charts/kvfleet/examples' CPU fleet but sized for a laptop (LOCAL_CLUSTER says why)."""
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name},
-            "spec": {"model": model, "image": "kvfleet/engine:cpu", "replicas": 1,
-                     "engine": {"maxModelLen": 2048, "maxNumSeqs": max_num_seqs, "kvCacheMemory": kv_cache_memory},
+            "spec": {"model": model, "image": DEFAULT_IMAGE, "replicas": 1,
+                     "engine": {"maxModelLen": LOCAL_CLUSTER.max_model_len, "maxNumSeqs": max_num_seqs,
+                                "kvCacheMemory": kv_cache_memory},
                      "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": max_replicas}}}
 
 
@@ -112,8 +115,9 @@ class LocalCluster:
         self.emulator: KubeEmulator | None = None
         self.redis: RedisServer | None = None
         self.kubelet: LocalKubelet | None = None
-        self.operator: subprocess.Popen | None = None
-        self.gateway: subprocess.Popen | None = None
+        self.procs = Supervisor(self.run_dir)  # the operator and the gateway; the kubelet runs the engines
+        self.operator: Child | None = None
+        self.gateway: Child | None = None
         self.kubeconfig = self.run_dir / "kubeconfig"
         self._log_handlers: list[tuple[logging.Logger, logging.Handler]] = []
         self.engine_api_key = secrets.token_urlsafe(32)  # a new one per run
@@ -159,7 +163,7 @@ class LocalCluster:
             "--fleet", self.fleet_name, "--k8s-namespace", s.namespace,
             "--k8s-selector", f"kvfleet.io/fleet={self.fleet_name}", *s.gateway_args],
             engine_env(env, self.engine_api_key))
-        self._wait(lambda: self._get(f"{self.url}/health"), "the gateway")
+        self._wait(lambda: http_ok(f"{self.url}/health"), "the gateway")
         if fleet["spec"].get("replicas", 1):  # the gateway is ready with no engine (it queues); wait for one
             self._wait(lambda: self._healthy_engines() > 0, "a ready engine pod behind the gateway")
 
@@ -182,10 +186,8 @@ class LocalCluster:
         client.CustomObjectsApi(self.emulator.api_client()).create_namespaced_custom_object(
             GROUP, VERSION, fleet["metadata"]["namespace"], PLURAL, body)
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
-        with open(self.run_dir / f"{name}.log", "w") as log:
-            return subprocess.Popen([sys.executable, "-m", "kvfleet.cli", *args], stdout=log,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> Child:
+        return self.procs.start(name, kvfleet_command(*args), env=env)
 
     def _healthy_engines(self) -> int:
         try:
@@ -194,46 +196,23 @@ class LocalCluster:
         except (OSError, ValueError):
             return 0
 
-    @staticmethod
-    def _get(url: str) -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
     def _wait(self, check, what: str) -> None:
-        deadline = time.monotonic() + self.spec.ready_timeout_s
-        while time.monotonic() < deadline:
-            for name, proc in (("operator", self.operator), ("gateway", self.gateway)):
-                if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(f"the {name} exited with {proc.returncode}:\n"
-                                       f"{tail(self.run_dir / f'{name}.log')}")
-            if check():
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"no {what} after {self.spec.ready_timeout_s:.0f} s; logs in {self.run_dir}")
+        """Until check() holds; an error with the log's end if the operator or the gateway exits first."""
+        self.procs.wait_until(check, what, self.spec.ready_timeout_s, poll_s=0.2)
 
     def watch(self, stop_requested) -> int:
         while not stop_requested():
-            for name, proc in (("operator", self.operator), ("gateway", self.gateway)):
-                if proc.poll() is not None:
-                    print(f"kvfleet up: the {name} exited with {proc.returncode}:\n"
-                          f"{tail(self.run_dir / f'{name}.log')}", file=sys.stderr)
+            for child in (self.operator, self.gateway):
+                if child.poll() is not None:
+                    print(f"kvfleet up: the {child.name} exited with {child.returncode}:\n{child.tail()}",
+                          file=sys.stderr)
                     return 1
             time.sleep(0.2)
         return 0
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """The gateway first (no new requests), the operator (no new pods), the engines (they drain), the rest."""
-        for proc in (self.gateway, self.operator):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        self.procs.stop(timeout_s)  # the gateway, then the operator: the reverse of their start
         if self.kubelet is not None:
             self.kubelet.stop(timeout_s)
         if self.redis is not None:

@@ -11,15 +11,15 @@ import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvfleet.fleet.engine_settings import LOCAL_FLEET, EngineSettings
 from kvfleet.redis_server import RedisServer, free_port
+from kvfleet.supervisor import Child, Supervisor, kvfleet_command
 
 # The engines' shared token (issue 13): `kvfleet engine --api-key` and `kvfleet gateway --engine-api-key` read it.
 ENGINE_API_KEY_ENV = "KVFLEET_ENGINE_API_KEY"
@@ -36,9 +36,10 @@ class FleetSpec:
     model: str = "smollm2-135m-instruct"
     host: str = "127.0.0.1"
     port: int = 8080
-    max_model_len: int = 2048
-    kv_cache_memory: str = "512MiB"
-    max_num_seqs: int = 64
+    # A laptop's engines (kvfleet/fleet/engine_settings.py says why they differ from the engine's defaults).
+    max_model_len: int | None = LOCAL_FLEET.max_model_len
+    kv_cache_memory: str | None = LOCAL_FLEET.kv_cache_memory
+    max_num_seqs: int = LOCAL_FLEET.max_num_seqs
     fleet: str = "local"
     routing: str = "kvfleet"
     engine_args: list[str] = field(default_factory=list)
@@ -50,14 +51,6 @@ class FleetSpec:
             raise ValueError(f"--engines must be between 1 and 64, not {self.engines}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be a TCP port, not {self.port}")
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    url: str
-    log_path: Path
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -78,6 +71,7 @@ class LocalFleet:
     def __init__(self, spec: FleetSpec):
         self.spec = spec
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvfleet-up-"))
+        self.procs = Supervisor(self.run_dir)
         self.redis: RedisServer | None = None
         self.engines: list[Child] = []
         self.gateway: Child | None = None
@@ -101,9 +95,10 @@ class LocalFleet:
         env.setdefault("OMP_NUM_THREADS", str(threads_per_engine(s.engines)))
         for i in range(s.engines):
             port = free_port()
-            args = ["engine", "--model", str(model_dir), "--served-model-name", s.model, "--host", "127.0.0.1",
-                    "--port", str(port), "--max-model-len", str(s.max_model_len), "--kv-cache-memory",
-                    s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs), *s.engine_args]
+            settings = EngineSettings(model=str(model_dir), max_model_len=s.max_model_len,
+                                      kv_cache_memory=s.kv_cache_memory, max_num_seqs=s.max_num_seqs)
+            args = ["engine", *settings.to_args(), "--served-model-name", s.model, "--host", "127.0.0.1",
+                    "--port", str(port), *s.engine_args]
             self.engines.append(self._spawn(f"engine-{i}", args, f"http://127.0.0.1:{port}", env))
         for engine in self.engines:
             self._wait_ready(engine, "/ready")
@@ -120,65 +115,33 @@ class LocalFleet:
         return resolve_model(self.spec.model)
 
     def _spawn(self, name: str, args: list[str], url: str, env: dict[str, str]) -> Child:
-        log_path = self.run_dir / f"{name}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", *args], stdout=log,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        return Child(name, proc, url, log_path)
+        # engine-0, engine-1, ... form one group: they stop together, after the gateway.
+        return self.procs.start(name, kvfleet_command(*args), url=url, env=env, group=name.split("-")[0])
 
     def _wait_ready(self, child: Child, path: str) -> None:
-        deadline = time.monotonic() + self.spec.ready_timeout_s
-        while time.monotonic() < deadline:
-            if child.proc.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with {child.proc.returncode}; the end of its log "
-                                   f"({child.log_path}):\n{tail(child.log_path)}")
-            try:
-                with urllib.request.urlopen(child.url + path, timeout=2) as response:
-                    if response.status == 200:
-                        print(f"kvfleet up: {child.name} ready at {child.url}", file=sys.stderr, flush=True)
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{child.name} was not ready after {self.spec.ready_timeout_s:.0f} s; "
-                           f"see {child.log_path}")
+        child.wait_ready(path, self.spec.ready_timeout_s, poll_s=0.2)
+        print(f"kvfleet up: {child.name} ready at {child.url}", file=sys.stderr, flush=True)
 
     def watch(self, stop_requested) -> int:
         """Until a signal asks to stop (0) or the gateway dies (1); a dead engine is reported, the rest serve."""
         reported: set[str] = set()
         while not stop_requested():
-            if self.gateway.proc.poll() is not None:
-                print(f"kvfleet up: the gateway exited with {self.gateway.proc.returncode}:\n"
-                      f"{tail(self.gateway.log_path)}", file=sys.stderr)
+            if self.gateway.poll() is not None:
+                print(f"kvfleet up: the gateway exited with {self.gateway.returncode}:\n{self.gateway.tail()}",
+                      file=sys.stderr)
                 return 1
             for e in self.engines:
-                if e.proc.poll() is not None and e.name not in reported:
+                if e.poll() is not None and e.name not in reported:
                     reported.add(e.name)
-                    print(f"kvfleet up: {e.name} exited with {e.proc.returncode} (see {e.log_path}); "
+                    print(f"kvfleet up: {e.name} exited with {e.returncode} (see {e.log_path}); "
                           "the gateway routes around it", file=sys.stderr, flush=True)
             time.sleep(0.2)
         return 0
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        for group in ([self.gateway] if self.gateway else [], self.engines):
-            for child in group:
-                if child.proc.poll() is None:
-                    child.proc.send_signal(signal.SIGTERM)
-            for child in group:
-                try:
-                    child.proc.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    child.proc.kill()
-                    child.proc.wait()
+        self.procs.stop(timeout_s)  # the gateway (no new requests), then the engines together (they drain)
         if self.redis is not None:
             self.redis.stop()
-
-
-def tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def run_until_signal(fleet, banner) -> int:

@@ -16,16 +16,14 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import signal
-import subprocess
 import sys
 import threading
-import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet.redis_server import free_port
+from kvfleet.supervisor import Child, Supervisor, http_ok
 
 log = logging.getLogger("kvfleet.local")
 ENGINE_APP = "kvfleet-engine"
@@ -35,7 +33,7 @@ ENGINE_APP = "kvfleet-engine"
 class PodProcess:
     name: str
     deployment: str
-    proc: subprocess.Popen
+    proc: Child
     port: int
     log_path: Path
     ready: bool = False
@@ -77,7 +75,7 @@ class LocalKubelet:
         self.namespace, self.run_dir, self.period_s = namespace, run_dir, period_s
         self.env = dict(env) if env is not None else dict(os.environ)
         self.pods: dict[str, PodProcess] = {}
-        self.stopping: list[PodProcess] = []
+        self.procs = Supervisor(run_dir)  # every engine it started; a deleted Pod's stays until it has exited
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -116,7 +114,7 @@ class LocalKubelet:
         for gone in {p.deployment for p in self.pods.values()} - {d.metadata.name for d in deployments}:
             for pod in [p for p in self.pods.values() if p.deployment == gone]:
                 self._delete(pod)
-        self.stopping = [p for p in self.stopping if p.proc.poll() is None]
+        self.procs.prune()
 
     def _create(self, dep) -> None:
         template = dep.spec.template
@@ -125,10 +123,9 @@ class LocalKubelet:
         port = free_port()
         env = {**self.env, **self._container_env(container)}
         env["HOME"] = self.env.get("HOME", "/tmp")  # the pod's HOME is its emptyDir; here the model cache is at ~
-        log_path = self.run_dir / f"{name}.log"
-        with open(log_path, "w") as out:
-            proc = subprocess.Popen(local_command(container, port), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+        # One group: a node shutting down stops all its engines at once.
+        proc = self.procs.start(name, local_command(container, port), url=f"http://127.0.0.1:{port}", env=env,
+                                group="engines")
         ports = [{**p, "containerPort": port} if p.get("name") == "http" else p for p in container.get("ports", [])]
         body = {"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": name, "namespace": self.namespace, "labels": dict(template.metadata.labels),
@@ -137,7 +134,7 @@ class LocalKubelet:
                 "status": {"phase": "Running", "podIP": "127.0.0.1",
                            "conditions": [{"type": "Ready", "status": "False"}]}}
         self.core.create_namespaced_pod(self.namespace, body)
-        self.pods[name] = PodProcess(name, dep.metadata.name, proc, port, log_path)
+        self.pods[name] = PodProcess(name, dep.metadata.name, proc, port, proc.log_path)
         log.info("local kubelet: started %s on port %d", name, port)
 
     def _container_env(self, container: dict) -> dict[str, str]:
@@ -152,11 +149,7 @@ class LocalKubelet:
         return out
 
     def _probe(self, pod: PodProcess) -> None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{pod.port}/ready", timeout=1) as response:
-                ready = response.status == 200
-        except OSError:
-            ready = False
+        ready = http_ok(f"http://127.0.0.1:{pod.port}/ready", timeout_s=1)
         if ready != pod.ready:
             pod.ready = ready
             self.core.patch_namespaced_pod(pod.name, self.namespace, {"status": {
@@ -184,20 +177,12 @@ class LocalKubelet:
     def _terminate(self, pod: PodProcess) -> None:
         self.pods.pop(pod.name, None)
         if pod.proc.poll() is None:
-            pod.proc.send_signal(signal.SIGTERM)
-            self.stopping.append(pod)
+            pod.proc.terminate()  # the supervisor waits for it (and kills it if need be) in stop()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop syncing, then every engine (they drain), as a node shutting down."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        for pod in list(self.pods.values()):
-            self._terminate(pod)
-        for pod in self.stopping:
-            try:
-                pod.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pod.proc.kill()
-                pod.proc.wait()
-        self.stopping = []
+        self.pods.clear()
+        self.procs.stop(timeout_s)

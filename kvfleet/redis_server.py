@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
 import tempfile
-import time
 from pathlib import Path
+
+from kvfleet.supervisor import Child, ChildExited, NotReady, spawn
 
 
 class RedisServerError(RuntimeError):
@@ -43,7 +43,7 @@ class RedisServer:
         self.port = port or free_port()
         self.password = password
         self._dir: str | None = None
-        self.proc: subprocess.Popen | None = None
+        self.proc: Child | None = None
 
     @property
     def url(self) -> str:
@@ -57,30 +57,28 @@ class RedisServer:
                 "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RedisServerError(f"redis-server exited with {self.proc.returncode}: {err.strip()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(64):
-                        return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RedisServerError(f"redis-server did not answer on port {self.port} within {timeout:.0f} s")
+        # In its parent's session, unlike the fleet's processes: an interrupted test run takes it down too.
+        self.proc = spawn("redis-server", args, new_session=False)
+        try:
+            self.proc.wait_ready(self._answers_ping, timeout, poll_s=0.05)
+        except ChildExited as err:
+            raise RedisServerError(str(err)) from None
+        except NotReady:
+            self.stop()
+            raise RedisServerError(f"redis-server did not answer on port {self.port} within {timeout:.0f} s") from None
+        return self
+
+    def _answers_ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
+                conn.sendall(b"PING\r\n")
+                return bool(conn.recv(64))
+        except OSError:
+            return False
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            self.proc.stop(timeout_s=5)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

@@ -13,18 +13,23 @@ back as soon as the gateway holds requests.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from kvfleet.operator.fleet_fields import autoscaling_default
 
 
 @dataclass(frozen=True)
 class AutoscalingPolicy:
-    min_replicas: int = 1
-    max_replicas: int = 8
-    target_kv_usage: float = 0.7
-    target_queue_per_replica: float = 4.0
-    tolerance: float = 0.1
-    scale_up_stabilization_s: float = 0.0
-    scale_down_stabilization_s: float = 300.0
+    # The fields an InferenceFleet sets take their defaults from its declaration (operator/fleet_fields.py).
+    min_replicas: int = autoscaling_default("min_replicas")
+    max_replicas: int = autoscaling_default("max_replicas")
+    target_kv_usage: float = autoscaling_default("target_kv_usage")
+    target_queue_per_replica: float = autoscaling_default("target_queue_per_replica")
+    tolerance: float = autoscaling_default("tolerance")
+    scale_up_stabilization_s: float = autoscaling_default("scale_up_stabilization_s")
+    scale_down_stabilization_s: float = autoscaling_default("scale_down_stabilization_s")
     max_scale_up_factor: float = 2.0
     max_scale_down_factor: float = 2.0  # at most 2; a step always may remove one pod
     kv_scale_down_exponent: float = 0.5  # 1: HPA's proportional rule; below 1: gentler scale-down on KV usage
@@ -32,7 +37,7 @@ class AutoscalingPolicy:
     panic_threshold: float = 2.0  # latest load / stable-window load that counts as a burst
     stable_window_s: float = 60.0
     panic_hold_s: float = 60.0  # no scale-down for this long after a burst
-    scale_to_zero_idle_s: float = 300.0
+    scale_to_zero_idle_s: float = autoscaling_default("scale_to_zero_idle_s")
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -92,12 +97,43 @@ class Decision:
 
 @dataclass
 class AutoscalerState:
-    """What one fleet's autoscaler remembers between periods (kept in memory by the operator)."""
+    """What one fleet's autoscaler remembers between periods; the operator keeps it in the fleet's status
+    (as_status, from_status), so a restarted operator decides as the old one would have."""
 
     recommendations: list[tuple[float, int]] = field(default_factory=list)
     loads: list[tuple[float, float]] = field(default_factory=list)  # (time, load) for the burst detector
     panic_until: float = -math.inf
     last_busy: float | None = None
+
+    @property
+    def observed_at(self) -> float:
+        """When the latest observation this state has seen was made (-inf when fresh)."""
+        return self.loads[-1][0] if self.loads else -math.inf
+
+    def as_status(self) -> dict[str, Any]:
+        """JSON for status.autoscaler. Of a run of equal recommendations only the latest is kept: every window
+        that ends now has the same highest and lowest recommendation either way."""
+        recs = self.recommendations
+        kept = [(t, r) for i, (t, r) in enumerate(recs) if i + 1 == len(recs) or recs[i + 1][1] != r]
+        out: dict[str, Any] = {"recommendations": [[round(t, 3), r] for t, r in kept],
+                               "loads": [[round(t, 3), v] for t, v in self.loads]}
+        if self.panic_until > -math.inf:
+            out["panicUntil"] = round(self.panic_until, 3)
+        if self.last_busy is not None:
+            out["lastBusy"] = round(self.last_busy, 3)
+        return out
+
+    @classmethod
+    def from_status(cls, saved: Mapping[str, Any] | None) -> AutoscalerState:
+        """as_status() read back; a missing or malformed field starts fresh (as HPA does after a restart)."""
+        saved = saved or {}
+        try:
+            return cls([(float(t), int(r)) for t, r in saved.get("recommendations") or []],
+                       [(float(t), float(v)) for t, v in saved.get("loads") or []],
+                       float(saved.get("panicUntil", -math.inf)),
+                       None if saved.get("lastBusy") is None else float(saved["lastBusy"]))
+        except (TypeError, ValueError, AttributeError):
+            return cls()
 
 
 def hpa_desired(values: list[float], missing: int, target: float, tolerance: float, extra: float = 0.0) -> int:
@@ -139,7 +175,7 @@ def _signal_desired(n: int, kv_values: list[float], waiting: list[int], missing:
 def _kv_desired(kv_values: list[float], missing: int, policy: AutoscalingPolicy) -> int:
     """HPA on KV usage, but a scale-down goes only to ceil(n × ratio^e): KV usage grows faster than load near
     saturation (each request stays longer in a fuller batch), so the proportional rule would shrink a busy fleet
-    too far and saturate it (bench/autoscaler_sim.py: e = 0.5 took the SLO outside bursts from 91.6 % to 96.9 %)."""
+    too far and saturate it (bench/autoscaler_sim/: e = 0.5 took the SLO outside bursts from 91.6 % to 96.9 %)."""
     desired = hpa_desired(kv_values, missing, policy.target_kv_usage, policy.tolerance)
     total = len(kv_values) + missing
     if desired >= total:

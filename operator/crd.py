@@ -5,24 +5,16 @@ from __future__ import annotations
 
 import sys
 
-from kvfleet.operator.fleet_spec import GROUP, KIND, PLURAL, VERSION
-
-
-def _int(minimum: int, maximum: int, default: int | None = None, description: str = "") -> dict:
-    out: dict = {"type": "integer", "minimum": minimum, "maximum": maximum}
-    if default is not None:
-        out["default"] = default
-    if description:
-        out["description"] = description
-    return out
-
-
-def _num(minimum: float, maximum: float, default: float, description: str = "") -> dict:
-    out: dict = {"type": "number", "minimum": minimum, "maximum": maximum, "default": default}
-    if description:
-        out["description"] = description
-    return out
-
+from kvfleet.fleet.engine_settings import crd_engine_properties
+from kvfleet.operator.fleet_fields import AUTOSCALING_ENABLED, AUTOSCALING_FIELDS, DEFAULT_IMAGE, SPEC_FIELDS
+from kvfleet.operator.fleet_spec import (
+    ENGINE_API_KEY_ENV,
+    ENGINE_API_KEY_SECRET_KEY,
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
+)
 
 SPEC_SCHEMA = {
     "type": "object",
@@ -30,42 +22,27 @@ SPEC_SCHEMA = {
     "properties": {
         "model": {"type": "string", "minLength": 1,
                   "description": "smollm2-135m-instruct, or a model directory inside the image"},
-        "image": {"type": "string", "default": "kvfleet/engine:cpu"},
+        "image": {"type": "string", "default": DEFAULT_IMAGE},
         "imagePullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
         "engine": {"type": "object", "properties": {
-            "maxModelLen": _int(16, 1 << 20, 2048),
-            "maxNumSeqs": _int(1, 4096, 128),
-            "blockSize": _int(1, 1024, 16),
-            "kvCacheMemory": {"x-kubernetes-int-or-string": True,
-                              "description": "KV cache size on CPU, e.g. 1Gi"},
-            "gpuMemoryUtilization": {"type": "number", "minimum": 0.05, "maximum": 1.0},
+            **crd_engine_properties(),
             "extraArgs": {"type": "array", "items": {"type": "string"}},
         }},
         "resources": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
                       "description": "the engine container's ResourceRequirements (nvidia.com/gpu on GPU fleets)"},
-        "replicas": _int(0, 1000, 1, "engine pods; the autoscaler writes it when autoscaling is enabled"),
-        "drainSeconds": _int(0, 3600, 30, "how long an engine may finish in-flight requests when stopped"),
+        **{f.name: f.schema() for f in SPEC_FIELDS},
         "engineAuth": {
             "type": "object",
             "description": "the engines' shared token: a Secret in this namespace whose key the engine pods get as "
-                           "KVFLEET_ENGINE_API_KEY (the gateway sends it); default: the operator's "
+                           f"{ENGINE_API_KEY_ENV} (the gateway sends it); default: the operator's "
                            "--engine-api-key-secret; secretName \"\" turns it off",
             "properties": {"secretName": {"type": "string", "maxLength": 253},
-                           "secretKey": {"type": "string", "minLength": 1, "default": "api-key"}},
+                           "secretKey": {"type": "string", "minLength": 1,
+                                         "default": ENGINE_API_KEY_SECRET_KEY}},
         },
         "autoscaling": {
             "type": "object",
-            "properties": {
-                "enabled": {"type": "boolean", "default": False},
-                "minReplicas": _int(0, 1000, 1, "0 lets an idle fleet scale to zero"),
-                "maxReplicas": _int(1, 1000, 8),
-                "targetKVCacheUsage": _num(0.01, 1.0, 0.7),
-                "targetQueuePerReplica": _num(0.1, 1e6, 4.0),
-                "tolerance": _num(0.0, 0.99, 0.1),
-                "scaleUpStabilizationSeconds": _int(0, 3600, 0),
-                "scaleDownStabilizationSeconds": _int(0, 3600, 300),
-                "scaleToZeroAfterSeconds": _int(0, 86400, 300),
-            },
+            "properties": {f.name: f.schema() for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)},
             "x-kubernetes-validations": [{"rule": "!has(self.minReplicas) || !has(self.maxReplicas) || "
                                                   "self.minReplicas <= self.maxReplicas",
                                           "message": "minReplicas must not exceed maxReplicas"}],
@@ -87,6 +64,15 @@ STATUS_SCHEMA = {
             "message": {"type": "string"}, "lastTransitionTime": {"type": "string", "format": "date-time"}}}},
         "scalingHistory": {"type": "array", "items": {"type": "object",
                                                       "x-kubernetes-preserve-unknown-fields": True}},
+        "autoscaler": {
+            "type": "object",
+            "description": "the autoscaler's memory, read back every period so an operator restart changes no "
+                           "decision: [time, replicas] recommendations of the stabilization windows, [time, load] "
+                           "of the burst window, the burst hold's end and the last busy time (Unix seconds)",
+            "properties": {
+                "recommendations": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+                "loads": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+                "panicUntil": {"type": "number"}, "lastBusy": {"type": "number"}}},
     },
     "x-kubernetes-preserve-unknown-fields": True,
 }

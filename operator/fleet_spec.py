@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvfleet.engine.config import parse_size
+from kvfleet.fleet.engine_settings import (
+    ENGINE_API_KEY_ENV,
+    crd_fields,
+    declared,
+    engine_args,
+    fleet_default,
+    value_type,
+)
+from kvfleet.fleet.pods import DEFAULT_ENGINE_PORT as ENGINE_PORT
+from kvfleet.fleet.sizes import parse_size
 from kvfleet.operator.autoscaler import AutoscalingPolicy
+from kvfleet.operator.fleet_fields import (
+    AUTOSCALING_ENABLED,
+    AUTOSCALING_FIELDS,
+    DEFAULT_IMAGE,
+    SPEC_FIELDS,
+    FleetField,
+    spec_default,
+)
+
+__all__ = ["DEFAULT_IMAGE", "ENGINE_API_KEY_ENV", "ENGINE_PORT", "FleetEngineSettings", "FleetSpec", "InvalidSpec",
+           "parse_fleet"]
 
 GROUP, VERSION, PLURAL, KIND = "kvfleet.io", "v1alpha1", "inferencefleets", "InferenceFleet"
-DEFAULT_IMAGE = "kvfleet/engine:cpu"
-ENGINE_PORT = 8000
-# The engines' shared token (issue 13): the Secret key and the env var the engine and the gateway read it from.
-ENGINE_API_KEY_ENV = "KVFLEET_ENGINE_API_KEY"
+# The Secret key the engines' shared token (issue 13) is read from by default.
 ENGINE_API_KEY_SECRET_KEY = "api-key"
 
 
@@ -21,23 +38,21 @@ class InvalidSpec(ValueError):
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    max_model_len: int = 2048
-    max_num_seqs: int = 128
-    block_size: int = 16
-    kv_cache_memory: str | None = None
-    gpu_memory_utilization: float | None = None
+class FleetEngineSettings:
+    """spec.engine: the engine settings an InferenceFleet exposes (kvfleet/fleet/engine_settings.py declares
+    their names, defaults and bounds) and extra flags; None leaves the engine's own default."""
+
+    max_model_len: int = fleet_default("max_model_len")
+    max_num_seqs: int = fleet_default("max_num_seqs")
+    block_size: int = fleet_default("block_size")
+    kv_cache_memory: str | None = fleet_default("kv_cache_memory")
+    gpu_memory_utilization: float | None = fleet_default("gpu_memory_utilization")
     extra_args: tuple[str, ...] = ()
 
-    def args(self, model: str) -> list[str]:
-        out = ["engine", "--model", model, "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
-               "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
-               "--block-size", str(self.block_size)]
-        if self.kv_cache_memory:
-            out += ["--kv-cache-memory", self.kv_cache_memory]
-        if self.gpu_memory_utilization is not None:
-            out += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
-        return out + list(self.extra_args)
+    def to_args(self) -> list[str]:
+        """The `kvfleet engine` flags of these settings, extra flags last."""
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra_args"}
+        return [*engine_args(settings), *self.extra_args]
 
 
 @dataclass(frozen=True)
@@ -47,12 +62,12 @@ class FleetSpec:
     model: str
     image: str = DEFAULT_IMAGE
     image_pull_policy: str = "IfNotPresent"
-    engine: EngineSettings = EngineSettings()
+    engine: FleetEngineSettings = FleetEngineSettings()
     resources: dict = field(default_factory=dict)
-    replicas: int = 1
-    autoscaling_enabled: bool = False
+    replicas: int = spec_default("replicas")
+    autoscaling_enabled: bool = spec_default("autoscaling_enabled")
     autoscaling: AutoscalingPolicy = AutoscalingPolicy()
-    drain_seconds: int = 30
+    drain_seconds: int = spec_default("drain_seconds")
     # A Secret in the fleet's namespace whose `api_key_secret_key` the engines require as a bearer token.
     api_key_secret: str | None = None
     api_key_secret_key: str = ENGINE_API_KEY_SECRET_KEY
@@ -75,6 +90,43 @@ def _float(section: dict, key: str, where: str, default: float, low: float, high
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         raise InvalidSpec(f"{where}.{key} must be a number from {low:g} to {high:g}, not {value!r}")
     return float(value)
+
+
+def _read(section: dict, f: FleetField, where: str) -> Any:
+    """A declared field of `section`, its default when absent; InvalidSpec when out of its bounds."""
+    if f.kind == "boolean":
+        return bool(section.get(f.name, f.default))
+    read = _float if f.reads_float or f.kind == "number" else _int
+    return read(section, f.name, where, f.default, f.minimum, f.maximum)
+
+
+def _engine(engine: dict) -> FleetEngineSettings:
+    """spec.engine, read by the engine settings' declaration (names, bounds, fleet defaults)."""
+    values: dict[str, Any] = {}
+    for f, crd in crd_fields():
+        value = engine.get(crd.name)
+        if declared(f).size:
+            if value is not None:
+                try:
+                    parse_size(str(value))
+                except ValueError:
+                    raise InvalidSpec(f"spec.engine.{crd.name} {value!r} is not a size; write e.g. 1Gi or 512MiB"
+                                      ) from None
+            values[f.name] = None if value is None else str(value)
+        elif value is None and fleet_default(f.name) is None:
+            values[f.name] = None  # unsaid: the engine's own default applies
+        elif crd.enum:
+            values[f.name] = engine.get(crd.name, fleet_default(f.name))
+            if isinstance(values[f.name], bool) or values[f.name] not in crd.enum:
+                raise InvalidSpec(f"spec.engine.{crd.name} must be one of {', '.join(map(str, crd.enum))}, "
+                                  f"not {values[f.name]!r}")
+        else:
+            read = _int if value_type(f) is int else _float
+            values[f.name] = read(engine, crd.name, "spec.engine", fleet_default(f.name), crd.minimum, crd.maximum)
+    extra = engine.get("extraArgs") or []
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise InvalidSpec("spec.engine.extraArgs must be a list of strings")
+    return FleetEngineSettings(**values, extra_args=tuple(extra))
 
 
 def _engine_auth(spec: dict[str, Any], default_secret: str | None) -> tuple[str | None, str]:
@@ -100,38 +152,11 @@ def parse_fleet(name: str, namespace: str, spec: dict[str, Any], default_api_key
     model = spec.get("model")
     if not isinstance(model, str) or not model.strip():
         raise InvalidSpec("spec.model is required: a known model name (smollm2-135m-instruct) or a path in the image")
-    engine = spec.get("engine") or {}
-    kv = engine.get("kvCacheMemory")
-    if kv is not None:
-        try:
-            parse_size(str(kv))
-        except ValueError:
-            raise InvalidSpec(f"spec.engine.kvCacheMemory {kv!r} is not a size; write e.g. 1Gi or 512MiB") from None
-    extra = engine.get("extraArgs") or []
-    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
-        raise InvalidSpec("spec.engine.extraArgs must be a list of strings")
-    gpu_util = engine.get("gpuMemoryUtilization")
-    settings = EngineSettings(
-        max_model_len=_int(engine, "maxModelLen", "spec.engine", 2048, 16, 1 << 20),
-        max_num_seqs=_int(engine, "maxNumSeqs", "spec.engine", 128, 1, 4096),
-        block_size=_int(engine, "blockSize", "spec.engine", 16, 1, 1024),
-        kv_cache_memory=str(kv) if kv is not None else None,
-        gpu_memory_utilization=None if gpu_util is None else _float(engine, "gpuMemoryUtilization", "spec.engine",
-                                                                     0.9, 0.05, 1.0),
-        extra_args=tuple(extra))
+    settings = _engine(spec.get("engine") or {})
     auto = spec.get("autoscaling") or {}
     try:
-        policy = AutoscalingPolicy(
-            min_replicas=_int(auto, "minReplicas", "spec.autoscaling", 1, 0, 1000),
-            max_replicas=_int(auto, "maxReplicas", "spec.autoscaling", 8, 1, 1000),
-            target_kv_usage=_float(auto, "targetKVCacheUsage", "spec.autoscaling", 0.7, 0.01, 1.0),
-            target_queue_per_replica=_float(auto, "targetQueuePerReplica", "spec.autoscaling", 4.0, 0.1, 1e6),
-            tolerance=_float(auto, "tolerance", "spec.autoscaling", 0.1, 0.0, 0.99),
-            scale_up_stabilization_s=_float(auto, "scaleUpStabilizationSeconds", "spec.autoscaling", 0, 0, 3600),
-            scale_down_stabilization_s=_float(auto, "scaleDownStabilizationSeconds", "spec.autoscaling", 300, 0,
-                                              3600),
-            scale_to_zero_idle_s=_float(auto, "scaleToZeroAfterSeconds", "spec.autoscaling", 300, 0, 86400))
-    except ValueError as err:
+        policy = AutoscalingPolicy(**{f.attr: _read(auto, f, "spec.autoscaling") for f in AUTOSCALING_FIELDS})
+    except ValueError as err:  # an InvalidSpec of a field too, as before: the message gains the prefix
         raise InvalidSpec(f"spec.autoscaling: {err}") from None
     resources = spec.get("resources") or {}
     if not isinstance(resources, dict):
@@ -140,6 +165,6 @@ def parse_fleet(name: str, namespace: str, spec: dict[str, Any], default_api_key
     return FleetSpec(
         name=name, namespace=namespace, model=model.strip(), image=spec.get("image") or DEFAULT_IMAGE,
         image_pull_policy=spec.get("imagePullPolicy") or "IfNotPresent", engine=settings, resources=resources,
-        replicas=_int(spec, "replicas", "spec", 1, 0, 1000), autoscaling_enabled=bool(auto.get("enabled", False)),
-        autoscaling=policy, drain_seconds=_int(spec, "drainSeconds", "spec", 30, 0, 3600),
-        api_key_secret=api_key_secret, api_key_secret_key=api_key_secret_key)
+        autoscaling_enabled=_read(auto, AUTOSCALING_ENABLED, "spec.autoscaling"), autoscaling=policy,
+        api_key_secret=api_key_secret, api_key_secret_key=api_key_secret_key,
+        **{f.attr: _read(spec, f, "spec") for f in SPEC_FIELDS})

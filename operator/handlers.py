@@ -1,20 +1,23 @@
 """kopf handlers: an InferenceFleet's children are reconciled on create, update and resume (and when someone edits
 the Deployment); a timer runs the autoscaler. The decisions are pure (fleet_spec, manifests, autoscaler); this
-module is the I/O around them."""
+module is the I/O around them, registered with the operator's config by register()."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
-import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import kopf
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kvfleet.operator import metrics
-from kvfleet.operator.autoscaler import AutoscalerState, Observation, recommend
+from kvfleet.operator.autoscaler import AutoscalerState, Decision, Observation, recommend
 from kvfleet.operator.fleet_spec import GROUP, PLURAL, VERSION, FleetSpec, InvalidSpec, parse_fleet
 from kvfleet.operator.manifests import (
     FIELD_MANAGER,
@@ -28,21 +31,21 @@ from kvfleet.operator.settings import OperatorConfig
 
 log = logging.getLogger("kvfleet.operator")
 HISTORY = 5
-# kopf takes a timer's interval when the handler is registered, so `kvfleet operator --autoscale-interval`
-# sets this variable before this module is imported.
-AUTOSCALE_INTERVAL_S = float(os.environ.get("KVFLEET_AUTOSCALE_INTERVAL", "15"))
+CHILDREN = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 
 def now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def condition(type_: str, ok: bool, reason: str, message: str) -> dict:
+def condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message,
             "lastTransitionTime": now_iso()}
 
 
-def _apply(kind: str, desired: dict, read, create, patch) -> str:
+# Blocking Kubernetes calls (the kubernetes client is synchronous): the handlers run them with asyncio.to_thread.
+
+def _apply(kind: str, desired: dict, read: Callable, create: Callable, patch: Callable) -> str:
     """Create the child, or put back what differs from what we set; returns what was done."""
     meta = desired["metadata"]
     try:
@@ -60,13 +63,7 @@ def _apply(kind: str, desired: dict, read, create, patch) -> str:
     return f"repaired {kind} {meta['name']} ({', '.join(diff[:3])}{'...' if len(diff) > 3 else ''})"
 
 
-def _api_key_secret(memo) -> str | None:
-    """The operator's --engine-api-key-secret: the engines' token Secret for fleets whose spec names none."""
-    config: OperatorConfig = memo.get("config") or OperatorConfig()
-    return config.engine_api_key_secret
-
-
-def reconcile_children(fleet: FleetSpec, owner: dict) -> list[str]:
+def reconcile_children(fleet: FleetSpec, owner: kopf.Body | dict) -> list[str]:
     deployment = build_deployment(fleet, fleet.replicas)
     service = build_service(fleet)
     for child in (deployment, service):
@@ -79,80 +76,124 @@ def reconcile_children(fleet: FleetSpec, owner: dict) -> list[str]:
     return [d for d in done if d]
 
 
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-def inferencefleet_reconcile(spec, name, namespace, body, meta, patch, memo, **_) -> None:
+def read_fleet(namespace: str, name: str) -> dict | None:
+    """The InferenceFleet as stored now; None when it is gone."""
     try:
-        fleet = parse_fleet(name, namespace, dict(spec), _api_key_secret(memo))
-    except InvalidSpec as err:
-        patch.status["conditions"] = [condition("Ready", False, "InvalidSpec", str(err)),
-                                      condition("Degraded", True, "InvalidSpec", str(err))]
-        kopf.warn(body, reason="InvalidSpec", message=str(err))
-        metrics.RECONCILES.labels("invalid_spec").inc()
-        raise kopf.PermanentError(str(err)) from err
-    for line in reconcile_children(fleet, body):
-        kopf.info(body, reason="Reconciled", message=line)
-    metrics.RECONCILES.labels("ok").inc()
-    patch.status["observedGeneration"] = meta.get("generation")
-    patch.status["selector"] = selector_string(name)
-    patch.status["conditions"] = [condition("Ready", True, "Reconciled", "the engine Deployment and Service match "
-                                            "the spec"), condition("Degraded", False, "Reconciled", "")]
-
-
-@kopf.on.update("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": FIELD_MANAGER})
-@kopf.on.delete("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": FIELD_MANAGER},
-                optional=True)
-@kopf.on.delete("", "v1", "services", labels={"app.kubernetes.io/managed-by": FIELD_MANAGER}, optional=True)
-def engine_child_drift(meta, namespace, memo, **_) -> None:
-    """Someone edited or deleted a child: reconcile its fleet again (drift is put back)."""
-    fleet_name = (meta.get("labels") or {}).get("kvfleet.io/fleet")
-    if not fleet_name:
-        return
-    try:
-        body = client.CustomObjectsApi().get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, fleet_name)
+        return client.CustomObjectsApi().get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     except ApiException as err:
         if err.status == 404:
-            return  # the fleet is gone; its children go with it
+            return None
         raise
-    try:
-        fleet = parse_fleet(fleet_name, namespace, body.get("spec") or {}, _api_key_secret(memo))
-    except InvalidSpec:
-        return
-    for line in reconcile_children(fleet, body):
-        kopf.info(body, reason="DriftRepaired", message=line)
-        metrics.DRIFT_REPAIRS.inc()
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=AUTOSCALE_INTERVAL_S, initial_delay=min(5.0, AUTOSCALE_INTERVAL_S),
-            backoff=AUTOSCALE_INTERVAL_S)
-def inferencefleet_autoscale(spec, name, namespace, body, status, patch, memo, **_) -> None:
-    config: OperatorConfig = memo.get("config") or OperatorConfig()
-    try:
-        fleet = parse_fleet(name, namespace, dict(spec))
-    except InvalidSpec:
-        return
-    pods, queued, counts = observe_fleet(fleet, config.redis_url, config.scrape_timeout_s)
-    patch.status.update(counts)
-    metrics.KV_USAGE.labels(namespace, name).set(counts["kvCacheUsage"])
-    metrics.GATEWAY_QUEUED.labels(namespace, name).set(queued)
-    if not fleet.autoscaling_enabled:
-        return
-    states = memo.setdefault("autoscalers", {})
-    state: AutoscalerState = states.setdefault(f"{namespace}/{name}", AutoscalerState())
-    decision = recommend(Observation(time.monotonic(), fleet.replicas, tuple(pods), queued), fleet.autoscaling, state)
-    metrics.DESIRED_REPLICAS.labels(namespace, name).set(decision.desired)
-    if decision.desired == fleet.replicas:
-        return
-    metrics.SCALE_DECISIONS.labels(namespace, name, "up" if decision.desired > fleet.replicas else "down").inc()
+def set_replicas(namespace: str, name: str, replicas: int) -> None:
+    client.CustomObjectsApi().patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                                             {"spec": {"replicas": replicas}})
+
+
+@dataclass
+class FleetHandlers:
+    """The handlers with what they share: the operator's config and each fleet's autoscaler state. The state's
+    truth is the fleet's status.autoscaler (read back every tick, so a restarted operator decides the same);
+    the copy here only covers a tick whose status has not yet come back through the watch."""
+
+    config: OperatorConfig
+    autoscalers: dict[str, AutoscalerState] = field(default_factory=dict)
+
+    async def reconcile(self, spec: kopf.Spec, name: str, namespace: str, body: kopf.Body, meta: kopf.Meta,
+                        patch: kopf.Patch, **_: Any) -> None:
+        try:
+            fleet = parse_fleet(name, namespace, dict(spec), self.config.engine_api_key_secret)
+        except InvalidSpec as err:
+            patch.status["conditions"] = [condition("Ready", False, "InvalidSpec", str(err)),
+                                          condition("Degraded", True, "InvalidSpec", str(err))]
+            kopf.warn(body, reason="InvalidSpec", message=str(err))
+            metrics.RECONCILES.labels("invalid_spec").inc()
+            raise kopf.PermanentError(str(err)) from err
+        for line in await asyncio.to_thread(reconcile_children, fleet, body):
+            kopf.info(body, reason="Reconciled", message=line)
+        metrics.RECONCILES.labels("ok").inc()
+        patch.status["observedGeneration"] = meta.get("generation")
+        patch.status["selector"] = selector_string(name)
+        patch.status["conditions"] = [condition("Ready", True, "Reconciled", "the engine Deployment and Service "
+                                                "match the spec"), condition("Degraded", False, "Reconciled", "")]
+
+    async def child_drift(self, meta: kopf.Meta, namespace: str, **_: Any) -> None:
+        """Someone edited or deleted a child: reconcile its fleet again (drift is put back)."""
+        fleet_name = (meta.get("labels") or {}).get("kvfleet.io/fleet")
+        if not fleet_name:
+            return
+        body = await asyncio.to_thread(read_fleet, namespace, fleet_name)
+        if body is None:
+            return  # the fleet is gone; its children go with it
+        try:
+            fleet = parse_fleet(fleet_name, namespace, body.get("spec") or {}, self.config.engine_api_key_secret)
+        except InvalidSpec:
+            return
+        for line in await asyncio.to_thread(reconcile_children, fleet, body):
+            kopf.info(body, reason="DriftRepaired", message=line)
+            metrics.DRIFT_REPAIRS.inc()
+
+    async def autoscale(self, spec: kopf.Spec, name: str, namespace: str, body: kopf.Body, status: kopf.Status,
+                        patch: kopf.Patch, **_: Any) -> None:
+        try:
+            fleet = parse_fleet(name, namespace, dict(spec))
+        except InvalidSpec:
+            return
+        pods, queued, counts = await observe_fleet(fleet, self.config.redis_url, self.config.scrape_timeout_s)
+        patch.status.update(counts)
+        metrics.KV_USAGE.labels(namespace, name).set(counts["kvCacheUsage"])
+        metrics.GATEWAY_QUEUED.labels(namespace, name).set(queued)
+        if not fleet.autoscaling_enabled:
+            return
+        state = self.autoscaler_state(f"{namespace}/{name}", status)
+        # Wall-clock time: the windows in the status must mean the same to the next operator process.
+        decision = recommend(Observation(time.time(), fleet.replicas, tuple(pods), queued), fleet.autoscaling, state)
+        patch.status["autoscaler"] = state.as_status()
+        metrics.DESIRED_REPLICAS.labels(namespace, name).set(decision.desired)
+        if decision.desired != fleet.replicas:
+            await asyncio.to_thread(set_replicas, namespace, name, decision.desired)
+            record_scaling(fleet, decision, queued, body, status, patch)
+
+    def autoscaler_state(self, key: str, status: kopf.Status) -> AutoscalerState:
+        """The fleet's autoscaler state from its status, unless this process holds a newer one."""
+        saved = AutoscalerState.from_status(status.get("autoscaler"))
+        held = self.autoscalers.get(key)
+        state = held if held is not None and held.observed_at > saved.observed_at else saved
+        self.autoscalers[key] = state
+        return state
+
+
+def record_scaling(fleet: FleetSpec, decision: Decision, queued: int, body: kopf.Body, status: kopf.Status,
+                   patch: kopf.Patch) -> None:
+    """A replica change goes into the status (history, time, condition), an Event, a metric and the log."""
+    change = f"{fleet.replicas} -> {decision.desired}: {decision.reason}"
+    metrics.SCALE_DECISIONS.labels(fleet.namespace, fleet.name,
+                                   "up" if decision.desired > fleet.replicas else "down").inc()
     entry = {"time": now_iso(), "from": fleet.replicas, "to": decision.desired, "reason": decision.reason,
              **decision.inputs(), "gatewayQueued": queued}
-    client.CustomObjectsApi().patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
-                                                             {"spec": {"replicas": decision.desired}})
     patch.status["scalingHistory"] = ([*(status.get("scalingHistory") or []), entry])[-HISTORY:]
     patch.status["lastScaleTime"] = entry["time"]
-    patch.status["conditions"] = [condition("Scaling", True, "Scaled", f"{fleet.replicas} -> {decision.desired}: "
-                                            f"{decision.reason}")]
-    kopf.info(body, reason="Scaled", message=f"{fleet.replicas} -> {decision.desired}: {decision.reason}")
-    log.info("fleet %s/%s: %d -> %d replicas (%s)", namespace, name, fleet.replicas, decision.desired,
-             decision.reason)
+    patch.status["conditions"] = [condition("Scaling", True, "Scaled", change)]
+    kopf.info(body, reason="Scaled", message=change)
+    log.info("fleet %s/%s: %s", fleet.namespace, fleet.name, change)
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> FleetHandlers:
+    """Registers the handlers on `registry`; the timer's interval comes from the config (kopf takes it here)."""
+    handlers = FleetHandlers(config)
+    fleets = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+    # The ids are the functions' names before the handlers became methods (kopf keeps progress under them).
+    kopf.on.create(**fleets, id="inferencefleet_reconcile")(handlers.reconcile)
+    kopf.on.update(**fleets, id="inferencefleet_reconcile", field="spec")(handlers.reconcile)
+    kopf.on.resume(**fleets, id="inferencefleet_reconcile")(handlers.reconcile)
+    kopf.on.update("apps", "v1", "deployments", id="engine_child_drift", labels=CHILDREN,
+                   registry=registry)(handlers.child_drift)
+    kopf.on.delete("apps", "v1", "deployments", id="engine_child_drift", labels=CHILDREN, optional=True,
+                   registry=registry)(handlers.child_drift)
+    kopf.on.delete("", "v1", "services", id="engine_child_drift", labels=CHILDREN, optional=True,
+                   registry=registry)(handlers.child_drift)
+    interval = config.autoscale_interval_s
+    kopf.timer(**fleets, id="inferencefleet_autoscale", interval=interval, initial_delay=min(5.0, interval),
+               backoff=interval)(handlers.autoscale)
+    return handlers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.operator.fleet_spec import ENGINE_API_KEY_ENV, ENGINE_PORT, FleetSpec
 
 FIELD_MANAGER = "kvfleet-operator"
@@ -31,7 +32,7 @@ def service_name(fleet: str) -> str:
 
 
 def _probe(path: str, period: int, failures: int, initial: int = 0) -> dict:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
+    return {"httpGet": {"path": path, "port": ENGINE_PORT_NAME}, "periodSeconds": period, "failureThreshold": failures,
             "initialDelaySeconds": initial, "timeoutSeconds": 2}
 
 
@@ -53,9 +54,10 @@ def build_engine_container(fleet: FleetSpec) -> dict:
         "image": fleet.image,
         "imagePullPolicy": fleet.image_pull_policy,
         "command": ["kvfleet"],
-        "args": [*fleet.engine.args(fleet.model), "--served-model-name", fleet.model,
+        "args": ["engine", "--model", fleet.model, "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
+                 *fleet.engine.to_args(), "--served-model-name", fleet.model,
                  "--drain-timeout", str(fleet.drain_seconds)],
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": ENGINE_PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": resources,
         # The model loads before /ready turns true; a startup probe gives it minutes without a liveness kill.
         "startupProbe": _probe("/health", 5, 120),
@@ -106,7 +108,8 @@ def build_service(fleet: FleetSpec) -> dict:
         "metadata": {"name": service_name(fleet.name), "namespace": fleet.namespace,
                      "labels": engine_labels(fleet.name)},
         "spec": {"clusterIP": "None", "selector": selector_labels(fleet.name),
-                 "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+                 "ports": [{"name": ENGINE_PORT_NAME, "port": ENGINE_PORT, "targetPort": ENGINE_PORT_NAME,
+                            "protocol": "TCP"}],
                  "publishNotReadyAddresses": False},
     }
 

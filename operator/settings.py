@@ -1,11 +1,12 @@
-"""The operator's own settings (`kvfleet operator` flags)."""
+"""The operator's own settings (`kvfleet operator` flags); run() hands them to the handlers when it registers
+them (handlers.register), so nothing is read from the environment at import."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(frozen=True)
 class OperatorConfig:
     redis_url: str | None = None  # the gateways' Redis: each fleet's queued requests
     autoscale_interval_s: float = 15.0

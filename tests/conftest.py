@@ -51,49 +51,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(args: list[str]):
-    """A kvfleet process whose output goes to a temporary file (a pipe nobody reads could fill and block it)."""
-    import subprocess
-    import sys
-    import tempfile
+def _launch(args: list[str], port: int, what: str):
+    """A kvfleet process on loopback, its output in a temporary file (`process_output` reads it); it answers
+    Popen's poll/wait/send_signal/terminate/kill."""
+    from kvfleet.supervisor import kvfleet_command, spawn
 
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                            text=True)
-    proc.log = log
-    return proc
+    # In pytest's session, so that an interrupted run takes it down too; a long tail, as tests read it on failure.
+    return spawn(what, kvfleet_command(*args), url=f"http://127.0.0.1:{port}", new_session=False, tail_lines=200)
 
 
-def _wait_ready(proc, url: str, what: str, timeout: float, ready: str = "/ready") -> None:
-    import time
-    import urllib.request
+def _wait_ready(proc, timeout: float, ready: str = "/ready") -> None:
+    """Until its ready path answers 200; an error with its log's end if it exits, killed if it is late."""
+    from kvfleet.supervisor import NotReady
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the {what} exited with {proc.returncode}: {process_output(proc)}")
-        try:
-            with urllib.request.urlopen(f"{url}{ready}", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the {what} did not become ready in time: {process_output(proc)}")
+    try:
+        proc.wait_ready(ready, timeout)
+    except NotReady:
+        proc.kill()
+        raise
 
 
 def _start_server(args: list[str], port: int, what: str, timeout: float, ready: str = "/ready"):
     """A real kvfleet process on loopback; returns (process, base URL) once its ready path answers 200."""
-    proc = _launch(args)
-    url = f"http://127.0.0.1:{port}"
-    _wait_ready(proc, url, what, timeout, ready)
-    return proc, url
+    proc = _launch(args, port, what)
+    _wait_ready(proc, timeout, ready)
+    return proc, proc.url
 
 
 def process_output(proc) -> str:
-    proc.log.seek(0)
-    return proc.log.read()
+    return proc.output()
 
 
 def _engine_args(model_dir: Path, port: int, extra: tuple[str, ...]) -> list[str]:
@@ -112,10 +98,10 @@ def start_engine_servers(model_dir: Path, *extras: tuple[str, ...], timeout: flo
     started = []
     for extra in extras:
         port = free_port()
-        started.append((_launch(_engine_args(model_dir, port, extra)), f"http://127.0.0.1:{port}"))
-    for proc, url in started:
-        _wait_ready(proc, url, "engine", timeout)
-    return started
+        started.append(_launch(_engine_args(model_dir, port, extra), port, "engine"))
+    for proc in started:
+        _wait_ready(proc, timeout)
+    return [(proc, proc.url) for proc in started]
 
 
 def start_gateway(*extra: str, timeout: float = 60.0):
@@ -126,13 +112,8 @@ def start_gateway(*extra: str, timeout: float = 60.0):
 
 
 def stop_process(proc, timeout: float = 30.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except Exception:
-            proc.kill()
-            proc.wait()
+    """SIGTERM, then SIGKILL after `timeout`."""
+    proc.stop(timeout)
 
 
 @pytest.fixture(scope="module")

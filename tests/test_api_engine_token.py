@@ -23,12 +23,11 @@ def engine_url(tiny_model_dir: Path):
     port = free_port()
     os.environ["KVFLEET_ENGINE_API_KEY"] = TOKEN
     try:
-        proc = _launch(_engine_args(tiny_model_dir, port, ()))
+        proc = _launch(_engine_args(tiny_model_dir, port, ()), port, "engine")
     finally:
         del os.environ["KVFLEET_ENGINE_API_KEY"]
-    url = f"http://127.0.0.1:{port}"
-    _wait_ready(proc, url, "engine", 180.0)
-    yield url
+    _wait_ready(proc, 180.0)
+    yield proc.url
     stop_process(proc)
 
 

@@ -95,7 +95,7 @@ def test_disconnect_before_a_plain_response_frees_the_blocks(base: str) -> None:
 
 
 def test_metrics_can_be_restricted_to_named_ones_for_frequent_scrapes(base: str) -> None:
-    from kvfleet.gateway.load import METRICS_QUERY, parse_engine_load
+    from kvfleet.fleet.load import METRICS_QUERY, parse_engine_load
 
     text = httpx.get(f"{base}/metrics?{METRICS_QUERY}").text
     names = {line.split("{")[0].split()[0] for line in text.splitlines() if line and not line.startswith("#")}

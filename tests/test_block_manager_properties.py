@@ -53,7 +53,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.live: list[Sequence] = []
         self.free_order = list(range(num_blocks))  # the model of the free queue, least recently freed first
         self.contents: dict[int, list[int | None]] = {i: [None] * block_size for i in range(num_blocks)}
-        self.prefix_of_hash: dict[int, tuple[int, ...]] = {}  # block hash -> every token up to the end of its block
+        self.prefix_of_hash: dict[bytes, tuple[int, ...]] = {}  # block hash -> every token up to the end of its block
         seeds = data.draw(st.lists(st.integers(0, 2**16), min_size=1, max_size=2), label="shared prefix seeds")
         self.prefixes = [random_tokens(seed, self.capacity) for seed in seeds]
         self.next_id = 0
@@ -119,6 +119,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.contents[block_id] == seq.all_token_ids[index * size:(index + 1) * size], (
                 f"cache hit on block {block_id} would give {seq.request_id} another prompt's KV"
             )
+        assert self.bm.cached_prefix_tokens(cached) == len(cached) * size, "cached tokens are whole blocks"
         num_new = data.draw(st.integers(1, seq.num_tokens - len(cached) * size), label="tokens to allocate")
         needed = self.bm.blocks_needed(len(cached) * size + num_new) - len(cached)
         reclaimable = [b for b in self.free_order if b not in cached]
@@ -227,7 +228,7 @@ TestBlockManagerMachine = BlockManagerMachine.TestCase
 def admit_and_compute(bm: BlockManager, tokens: list[int], request_id: str = "r") -> Sequence:
     seq = make_seq(tokens, request_id)
     cached = bm.find_cached_prefix(seq)
-    cached_tokens = len(cached) * bm.block_size
+    cached_tokens = bm.cached_prefix_tokens(cached)
     assert bm.allocate(seq, seq.num_tokens - cached_tokens, cached)
     seq.num_computed_tokens = cached_tokens
     compute(bm, seq, seq.num_tokens - cached_tokens)

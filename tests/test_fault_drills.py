@@ -15,7 +15,7 @@ import httpx
 import pytest
 import redis
 
-from kvfleet.gateway.redis_queue import key_prefix, queue_key
+from kvfleet.fleet.redis_keys import key_prefix, queue_key
 from tests.blackhole_proxy import BlackholeProxy
 from tests.conftest import process_output, start_engine_servers, start_gateway, stop_process
 from tests.test_gateway_live_routing import hold_stream

@@ -8,16 +8,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvfleet.fleet.load import EngineLoad
+from kvfleet.fleet.priority import Priority, parse_priority
 from kvfleet.gateway.admission import Action, admit, retry_after_seconds
 from kvfleet.gateway.config import GatewayConfig, parse_queue_caps
 from kvfleet.gateway.endpoints import EndpointPool
-from kvfleet.gateway.load import EngineLoad
 from kvfleet.gateway.local_queue import LocalQueue
 from kvfleet.gateway.prefix import PrefixAffinity, prompt_text
-from kvfleet.gateway.priority import Priority, QueueEntry, parse_priority, queue_score
-from kvfleet.gateway.routing import EndpointSnapshot, free_slots, pick
+from kvfleet.gateway.queue_order import QueueEntry, queue_score
+from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, free_slots, pick, strategy_named
 
 C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
+KVFLEET = strategy_named("kvfleet")
 
 
 def test_requests_route_at_once_while_there_is_room_and_nobody_waits() -> None:
@@ -153,7 +155,7 @@ def test_dispatches_that_fit_in_free_batch_slots_do_not_count_as_queue() -> None
 def test_a_busy_small_engine_scores_below_an_idle_large_one() -> None:
     small = ep("small", running=1, capacity=1)
     large = ep("large", running=0, capacity=8)
-    assert pick("kvfleet", [small, large], {}, random.Random(0), 0).url == "large"
+    assert pick(KVFLEET, [small, large], RoutingContext(), random.Random(0)).url == "large"
 
 
 def test_free_slots_include_free_batch_slots() -> None:
@@ -168,9 +170,9 @@ def test_free_slots_counts_room_below_the_queue_limit_on_available_engines() -> 
 
 def test_a_released_request_goes_to_the_least_loaded_healthy_engine_even_when_all_are_saturated() -> None:
     endpoints = [ep("a", waiting=9), ep("b", waiting=6), ep("c", healthy=False)]
-    assert pick("kvfleet", endpoints, {}, random.Random(0), 0) is None
-    assert pick("kvfleet", endpoints, {}, random.Random(0), 0, must=True).url == "b"
-    assert pick("kvfleet", endpoints, {}, random.Random(0), 0, exclude=frozenset({"b"}), must=True).url == "a"
+    assert pick(KVFLEET, endpoints, RoutingContext(), random.Random(0)) is None
+    assert pick(KVFLEET, endpoints, RoutingContext(must=True), random.Random(0)).url == "b"
+    assert pick(KVFLEET, endpoints, RoutingContext(exclude=frozenset({"b"}), must=True), random.Random(0)).url == "a"
 
 
 def test_endpoint_pool_ejects_after_repeated_failures_and_takes_it_back_after_the_cool_off() -> None:

@@ -25,7 +25,8 @@ from kubernetes.client import (
     V1PodStatus,
 )
 
-from kvfleet.gateway.discovery import KubernetesDiscovery, StaticDiscovery, pod_endpoint
+from kvfleet.fleet.pods import pod_endpoint
+from kvfleet.gateway.discovery import KubernetesDiscovery, StaticDiscovery
 
 # kmock 0.8 reads its bundled resource list with a deprecated importlib call.
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")

@@ -9,9 +9,9 @@ import contextlib
 import pytest
 import redis
 
+from kvfleet.fleet.priority import Priority
+from kvfleet.fleet.redis_keys import queue_key
 from kvfleet.gateway.fleet_queue import FleetQueue, Outcome
-from kvfleet.gateway.priority import Priority
-from kvfleet.gateway.redis_queue import queue_key
 
 C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
 CAPS = {C: 100, S: 100, X: 100}

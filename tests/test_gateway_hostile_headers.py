@@ -163,7 +163,7 @@ def test_a_connection_that_never_sends_is_closed_after_the_keep_alive() -> None:
 
     import uvicorn
 
-    from kvfleet.http_limits import HttpLimits, limited_protocol
+    from kvfleet.fleet.http_limits import HttpLimits, limited_protocol
     from tests.conftest import free_port
 
     async def app(scope, receive, send) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvfleet.gateway.load import MetricsParseError, parse_engine_load
+from kvfleet.fleet.load import MetricsParseError, parse_engine_load
 
 VLLM_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 
-from kvfleet.gateway.redis_queue import queue_key
+from kvfleet.fleet.redis_keys import queue_key
 from tests.conftest import start_engine_server, start_gateway, stop_process
 from tests.test_gateway_live_routing import hold_stream, waiting
 from tests.test_gateway_proxy import wait_until_routable

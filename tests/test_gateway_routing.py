@@ -8,18 +8,25 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet.gateway.routing import (
-    EndpointSnapshot,
-    SaturationPolicy,
-    pick_by_score,
-    pick_least_request,
-    pick_round_robin,
-)
+from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, SaturationPolicy, pick, strategy_named
 
 
 def ep(url: str, kv: float = 0.1, waiting: int = 0, running: int = 0, age: float = 0.05, healthy: bool = True,
        in_flight: int = 0) -> EndpointSnapshot:
     return EndpointSnapshot(url, healthy, kv, waiting, running, age, in_flight)
+
+
+def pick_by_score(endpoints: list[EndpointSnapshot], prefix_matches: dict[str, float],
+                  rng: random.Random) -> EndpointSnapshot | None:
+    return pick(strategy_named("kvfleet"), endpoints, RoutingContext(prefix_matches), rng)
+
+
+def pick_least_request(endpoints: list[EndpointSnapshot], rng: random.Random) -> EndpointSnapshot | None:
+    return pick(strategy_named("least-request"), endpoints, RoutingContext(), rng)
+
+
+def pick_round_robin(endpoints: list[EndpointSnapshot], turn: int) -> EndpointSnapshot | None:
+    return pick(strategy_named("round-robin"), endpoints, RoutingContext(turn=turn), random.Random(0))
 
 
 def test_most_kv_headroom_wins_when_queues_are_equal() -> None:

@@ -17,9 +17,9 @@ import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
+from kvfleet.fleet.redis_keys import key_prefix
 from kvfleet.gateway.auth import KeyInfo, hash_key
 from kvfleet.gateway.rate_limit import WINDOW_S, InProcessRateLimiter, RateLimiter
-from kvfleet.gateway.redis_queue import key_prefix
 from kvfleet.gateway.usage import (
     DEFAULT_MAX_TOKENS,
     MAX_RESERVATION,

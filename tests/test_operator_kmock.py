@@ -23,7 +23,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from kvfleet.gateway.redis_queue import queue_key
+from kvfleet.fleet.redis_keys import queue_key
 from kvfleet.kube_emulator import KubeEmulator
 from kvfleet.redis_server import RedisServer
 from tests.conftest import free_port

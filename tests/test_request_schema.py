@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from kvfleet.openai_schema import MAX_JSON_DEPTH, RequestSchemaError, describe_unknown_fields, validate_request
+from kvfleet.fleet.openai_schema import MAX_JSON_DEPTH, RequestSchemaError, describe_unknown_fields, validate_request
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]

@@ -40,7 +40,7 @@ class EngineSim:
         self.scheduler = scheduler
         self.bm = scheduler.block_manager
         self.contents: dict[int, list[int | None]] = {i: [None] * self.bm.block_size for i in range(self.bm.num_blocks)}
-        self.prefix_of_hash: dict[int, tuple[int, ...]] = {}  # block hash -> every token up to the end of its block
+        self.prefix_of_hash: dict[bytes, tuple[int, ...]] = {}  # block hash -> every token up to the end of its block
         self.live: list[Sequence] = []
         self.finished: list[Sequence] = []
         self.aborted: list[Sequence] = []

@@ -18,6 +18,9 @@ import httptools
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from kvfleet.fleet.errors import APIError
+from kvfleet.fleet.headers import RETRY_AFTER
+
 
 @dataclass(frozen=True)
 class HttpLimits:
@@ -41,8 +44,8 @@ class HttpLimits:
 def error_bytes(status: int, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 answer in OpenAI's error shape that closes the connection."""
     kind = "service_unavailable" if status == 503 else "invalid_request_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
-    retry = "retry-after: 1\r\n" if status == 503 else ""
+    body = json.dumps(APIError(status, message, kind, code=code).body()).encode()
+    retry = f"{RETRY_AFTER}: 1\r\n" if status == 503 else ""
     head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n{retry}"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode() + body

@@ -1,15 +1,13 @@
-"""An engine's load from its /metrics text: kvfleet's names, or vLLM's so the gateway can front vLLM pods too."""
+"""An engine's load from its /metrics text: kvfleet's names, or vLLM's so the gateway can front vLLM pods too.
+
+The reader of the metrics contract (kvfleet.fleet.metrics): the gateway's scraper, the operator and bench use it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# For each signal, the names that carry it, in order of preference.
-SIGNALS = {
-    "kv_cache_usage": ("kvfleet_kv_cache_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    "num_waiting": ("kvfleet_num_requests_waiting", "vllm:num_requests_waiting"),
-    "num_running": ("kvfleet_num_requests_running", "vllm:num_requests_running"),
-}
+from kvfleet.fleet.metrics import LOAD_SIGNALS, MAX_NUM_SEQS
 
 
 class MetricsParseError(ValueError):
@@ -26,7 +24,7 @@ class EngineLoad:
 
 # What the gateway asks for: /metrics?name[]=... (kvfleet engines and vLLM's prometheus_client handler both
 # filter on it), so an engine renders a few lines instead of every histogram, ten times a second.
-WANTED = (*(n for names in SIGNALS.values() for n in names), "kvfleet_max_num_seqs")
+WANTED = (*(n for names in LOAD_SIGNALS.values() for n in names), MAX_NUM_SEQS)
 METRICS_QUERY = "&".join(f"name[]={n}" for n in WANTED)
 
 
@@ -57,11 +55,11 @@ def parse_engine_load(text: str) -> EngineLoad:
     """The three load signals, summed over label sets (vLLM labels its gauges by model name)."""
     found = _sample_values(text)
     values = {}
-    for signal, names in SIGNALS.items():
+    for signal, names in LOAD_SIGNALS.items():
         name = next((n for n in names if n in found), None)
         if name is None:
             raise MetricsParseError(f"no {signal} metric; expected one of {', '.join(names)}")
         values[signal] = found[name]
-    capacity = int(found.get("kvfleet_max_num_seqs", 0)) or None
+    capacity = int(found.get(MAX_NUM_SEQS, 0)) or None
     return EngineLoad(min(max(values["kv_cache_usage"], 0.0), 1.0), int(values["num_waiting"]),
                       int(values["num_running"]), capacity)

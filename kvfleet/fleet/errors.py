@@ -1,4 +1,5 @@
-"""OpenAI's error body {"error": {"message", "type", "param", "code"}} with its HTTP status."""
+"""OpenAI's error body {"error": {"message", "type", "param", "code"}} with its HTTP status: every engine and gateway
+error a client sees has this shape."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvfleet.fleet.headers import ENGINE_FAULT, FAULT
 
 
 class APIError(Exception):
@@ -22,12 +25,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-ENGINE_FAULT_HEADER = "x-kvfleet-fault"
-
-
 def engine_fault(message: str) -> APIError:
     """A 500 that is the engine's own fault (not the request's): marked so a gateway retries it elsewhere."""
-    return APIError(500, message, "server_error", code="engine_fault", headers={ENGINE_FAULT_HEADER: "engine"})
+    return APIError(500, message, "server_error", code="engine_fault", headers={FAULT: ENGINE_FAULT})
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -9,6 +9,8 @@ import json
 
 from starlette.exceptions import HTTPException
 
+from kvfleet.fleet.errors import APIError
+
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
@@ -43,9 +45,7 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
     async def _reject(self, send) -> None:
-        body = json.dumps({"error": {
-            "message": too_large_message(self.max_bytes),
-            "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
+        body = json.dumps(APIError(413, too_large_message(self.max_bytes), code="request_too_large").body()).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uvicorn
 
-from kvfleet.http_limits import HttpLimits, limited_protocol
+from kvfleet.fleet.http_limits import HttpLimits, limited_protocol
 
 # Longer than clients' idle keep-alive (httpx: 5 s, the gateway's pool: 30 s): a server that closes an idle
 # connection just as a client reuses it makes that request fail with no answer.

@@ -1,0 +1,20 @@
+"""The HTTP header names of the fleet's contract (ARCHITECTURE.md's "Request headers"), each written once.
+
+Lower case, as ASGI servers and httpx hand them over.
+"""
+
+from __future__ import annotations
+
+# Sent by clients to the gateway.
+REQUEST_ID = "x-request-id"  # kept when the client sends one, made otherwise; echoed on the answer
+PRIORITY = "x-kvfleet-priority"  # critical | standard | sheddable (kvfleet.fleet.priority)
+MAX_QUEUE_MS = "x-kvfleet-max-queue-ms"  # the longest wait in the gateway's queue
+TENANT = "x-kvfleet-tenant"  # reserved by the contract; no component reads it yet
+AUTHORIZATION = "authorization"  # `Bearer <key>`: the client's API key, or the gateway's engine key
+API_KEY = "x-api-key"  # the raw key, for clients that cannot send a bearer token
+
+# Set on answers.
+ENGINE = "x-kvfleet-engine"  # the engine that served, set by the gateway
+FAULT = "x-kvfleet-fault"  # `engine` on an engine's 5xx that is its own fault, so a gateway retries elsewhere
+ENGINE_FAULT = "engine"  # FAULT's value
+RETRY_AFTER = "retry-after"  # seconds, on 429 and 503

@@ -1,0 +1,45 @@
+"""The engine metric names the fleet reads and writes (ARCHITECTURE.md's "Engine metrics"), each written once.
+
+The engine exports them; the gateway and the operator read the load signals, accepting vLLM's names too so they
+can front vLLM pods. Counters are named here as a family: Prometheus exposes their samples with a `_total` suffix.
+"""
+
+from __future__ import annotations
+
+# Load signals: what routing, shedding and autoscaling read.
+KV_CACHE_USAGE = "kvfleet_kv_cache_usage"  # 0-1
+NUM_REQUESTS_RUNNING = "kvfleet_num_requests_running"
+NUM_REQUESTS_WAITING = "kvfleet_num_requests_waiting"
+MAX_NUM_SEQS = "kvfleet_max_num_seqs"  # kvfleet engines export it; vLLM's metrics do not
+
+# vLLM's names for the same signals (vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc).
+VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+VLLM_GPU_CACHE_USAGE = "vllm:gpu_cache_usage_perc"
+VLLM_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+
+# For each load signal, the names that carry it, in order of preference.
+LOAD_SIGNALS: dict[str, tuple[str, ...]] = {
+    "kv_cache_usage": (KV_CACHE_USAGE, VLLM_KV_CACHE_USAGE, VLLM_GPU_CACHE_USAGE),
+    "num_waiting": (NUM_REQUESTS_WAITING, VLLM_NUM_REQUESTS_WAITING),
+    "num_running": (NUM_REQUESTS_RUNNING, VLLM_NUM_REQUESTS_RUNNING),
+}
+
+# The rest of the engine's gauges and counters.
+KV_CACHE_BLOCKS_TOTAL = "kvfleet_kv_cache_blocks_total"
+KV_CACHE_BLOCKS_FREE = "kvfleet_kv_cache_blocks_free"
+NUM_PREEMPTIONS = "kvfleet_num_preemptions"
+PROMPT_TOKENS = "kvfleet_prompt_tokens"
+GENERATION_TOKENS = "kvfleet_generation_tokens"
+PREFIX_CACHE_QUERIES = "kvfleet_prefix_cache_queries"
+PREFIX_CACHE_HITS = "kvfleet_prefix_cache_hits"
+REQUESTS_REJECTED = "kvfleet_requests_rejected"  # label `reason`
+REQUEST_IGNORED_FIELDS = "kvfleet_request_ignored_fields"
+
+# Histograms.
+TIME_TO_FIRST_TOKEN = "kvfleet_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "kvfleet_inter_token_latency_seconds"
+E2E_REQUEST_LATENCY = "kvfleet_e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME = "kvfleet_request_queue_time_seconds"
+BATCH_SIZE = "kvfleet_batch_size"
+STEP_SECONDS = "kvfleet_step_seconds"

@@ -1,0 +1,61 @@
+"""Every Redis key and channel the fleet uses, one builder each. All start with `kvfleet:{<fleet>}:`.
+
+The fleet name sits in braces, a Redis Cluster hash tag, so one fleet's keys share a slot (the queue's Lua
+scripts touch several of them at once). The operator reads `queue_key` (ZCARD: the fleet's queued requests).
+"""
+
+from __future__ import annotations
+
+
+def key_prefix(fleet: str) -> str:
+    return f"kvfleet:{{{fleet}}}:"
+
+
+def queue_key(fleet: str) -> str:
+    """Sorted set: entry id -> score; its ZCARD is the fleet's queued-request count, which the operator reads."""
+    return key_prefix(fleet) + "queue"
+
+
+def queue_entries_key(fleet: str) -> str:
+    """Hash: entry id -> "owner|priority|deadline_ms"."""
+    return key_prefix(fleet) + "queue:entries"
+
+
+def queue_classes_key(fleet: str) -> str:
+    """Hash: priority -> entries queued in that class."""
+    return key_prefix(fleet) + "queue:classes"
+
+
+def queue_released_key(fleet: str) -> str:
+    """Counter of entries released in the last scrape interval, by any replica (expires)."""
+    return key_prefix(fleet) + "queue:released"
+
+
+def heartbeat_prefix(fleet: str) -> str:
+    """What a gateway replica's heartbeat key starts with; the queue's Lua scripts append an owner's id."""
+    return key_prefix(fleet) + "gateway:"
+
+
+def heartbeat_key(fleet: str, gateway_id: str) -> str:
+    """A replica's heartbeat (expires); queued entries of a replica without one are dropped."""
+    return heartbeat_prefix(fleet) + gateway_id
+
+
+def live_entries_key(fleet: str, gateway_id: str) -> str:
+    """Set: the entries a replica still holds connections for, written just before a sweep of its orphans."""
+    return heartbeat_key(fleet, gateway_id) + ":live"
+
+
+def grants_prefix(fleet: str) -> str:
+    """What a replica's grants channel starts with; the queue's Lua scripts append an owner's id."""
+    return key_prefix(fleet) + "grants:"
+
+
+def grants_channel(fleet: str, gateway_id: str) -> str:
+    """Pub/sub channel on which other replicas hand a replica its released entries."""
+    return grants_prefix(fleet) + gateway_id
+
+
+def rate_limit_key(fleet: str, key_id: str) -> str:
+    """Hash of one API key's usage, fields `r:<unix second>` (requests) and `t:<unix second>` (tokens)."""
+    return key_prefix(fleet) + f"ratelimit:{key_id}"
