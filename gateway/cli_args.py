@@ -44,7 +44,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--weight-prefix", type=float, default=d0.weights.prefix)
     r.add_argument("--saturation-queue", type=int, default=d0.saturation.max_queue,
                    help="an engine with this many waiting is saturated")
-    r.add_argument("--saturation-kv", type=float, default=d0.saturation.max_kv_usage,
+    r.add_argument("--saturation-kv", type=float, default=d0.saturation.max_kv_cache_usage,
                    help="an engine at this KV usage is saturated")
     r.add_argument("--max-metrics-age-ms", type=float, default=d0.saturation.max_metrics_age_s * 1000.0,
                    help="an engine whose metrics are older than this counts as saturated")

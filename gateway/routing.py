@@ -50,11 +50,11 @@ class SaturationPolicy:
     """The Inference Extension's defaults: queue >= 5 or KV >= 0.8 or metrics older than 200 ms."""
 
     max_queue: int = 5
-    max_kv_usage: float = 0.8
+    max_kv_cache_usage: float = 0.8
     max_metrics_age_s: float = 0.2
 
     def is_saturated(self, e: EndpointSnapshot) -> bool:
-        return (e.queue_depth >= self.max_queue or e.kv_cache_usage >= self.max_kv_usage
+        return (e.queue_depth >= self.max_queue or e.kv_cache_usage >= self.max_kv_cache_usage
                 or e.metrics_age_s > self.max_metrics_age_s)
 
 

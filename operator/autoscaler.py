@@ -25,7 +25,7 @@ class AutoscalingPolicy:
     # The fields an InferenceFleet sets take their defaults from its declaration (operator/fleet_fields.py).
     min_replicas: int = autoscaling_default("min_replicas")
     max_replicas: int = autoscaling_default("max_replicas")
-    target_kv_usage: float = autoscaling_default("target_kv_usage")
+    target_kv_cache_usage: float = autoscaling_default("target_kv_cache_usage")
     target_queue_per_replica: float = autoscaling_default("target_queue_per_replica")
     tolerance: float = autoscaling_default("tolerance")
     scale_up_stabilization_s: float = autoscaling_default("scale_up_stabilization_s")
@@ -45,8 +45,8 @@ class AutoscalingPolicy:
                              f"({self.max_replicas})")
         if self.max_replicas < 1:
             raise ValueError("maxReplicas must be at least 1")
-        if not 0 < self.target_kv_usage <= 1:
-            raise ValueError(f"targetKVCacheUsage must be in (0, 1], not {self.target_kv_usage}")
+        if not 0 < self.target_kv_cache_usage <= 1:
+            raise ValueError(f"targetKVCacheUsage must be in (0, 1], not {self.target_kv_cache_usage}")
         if self.target_queue_per_replica <= 0:
             raise ValueError(f"targetQueuePerReplica must be positive, not {self.target_queue_per_replica}")
         if not 0 <= self.tolerance < 1:
@@ -65,13 +65,13 @@ class AutoscalingPolicy:
 class PodLoad:
     """One ready pod's scraped load; None where its /metrics could not be read."""
 
-    kv_usage: float | None
+    kv_cache_usage: float | None
     running: int | None = None
     waiting: int | None = None
 
     @property
     def has_metrics(self) -> bool:
-        return self.kv_usage is not None and self.waiting is not None
+        return self.kv_cache_usage is not None and self.waiting is not None
 
 
 @dataclass(frozen=True)
@@ -86,12 +86,12 @@ class Observation:
 class Decision:
     desired: int
     reason: str
-    kv_usage: float | None  # average over pods with metrics
+    kv_cache_usage: float | None  # average over pods with metrics
     queue_per_replica: float
     panic: bool = False
 
     def inputs(self) -> dict:
-        return {"kvCacheUsage": None if self.kv_usage is None else round(self.kv_usage, 3),
+        return {"kvCacheUsage": None if self.kv_cache_usage is None else round(self.kv_cache_usage, 3),
                 "queuePerReplica": round(self.queue_per_replica, 2), "panic": self.panic}
 
 
@@ -163,24 +163,24 @@ def _signal_desired(n: int, kv_values: list[float], waiting: list[int], missing:
                     policy: AutoscalingPolicy) -> tuple[int, float | None, float]:
     """HPA on KV usage and on queue per replica (the gateway's queue included); the larger wins."""
     total = n + missing
-    kv_avg = sum(kv_values) / len(kv_values) if kv_values else None
+    kv_cache_usage_avg = sum(kv_values) / len(kv_values) if kv_values else None
     queue = (sum(waiting) + queued) / max(total, 1)
     wanted = [hpa_desired([float(w) for w in waiting], missing, policy.target_queue_per_replica, policy.tolerance,
                           extra=float(queued))]
     if kv_values:
         wanted.append(_kv_desired(kv_values, missing, policy))
-    return max(wanted), kv_avg, queue
+    return max(wanted), kv_cache_usage_avg, queue
 
 
 def _kv_desired(kv_values: list[float], missing: int, policy: AutoscalingPolicy) -> int:
     """HPA on KV usage, but a scale-down goes only to ceil(n × ratio^e): KV usage grows faster than load near
     saturation (each request stays longer in a fuller batch), so the proportional rule would shrink a busy fleet
     too far and saturate it (bench/autoscaler_sim/: e = 0.5 took the SLO outside bursts from 91.6 % to 96.9 %)."""
-    desired = hpa_desired(kv_values, missing, policy.target_kv_usage, policy.tolerance)
+    desired = hpa_desired(kv_values, missing, policy.target_kv_cache_usage, policy.tolerance)
     total = len(kv_values) + missing
     if desired >= total:
         return desired
-    ratio = sum(kv_values) / len(kv_values) / policy.target_kv_usage
+    ratio = sum(kv_values) / len(kv_values) / policy.target_kv_cache_usage
     return max(desired, math.ceil(total * ratio ** policy.kv_scale_down_exponent - 1e-9))
 
 
@@ -194,7 +194,7 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
     now, current = obs.time, obs.current_replicas
     with_metrics = [p for p in obs.pods if p.has_metrics]
     missing = max(0, current - len(with_metrics)) if current else 0
-    kv_values = [p.kv_usage for p in with_metrics]
+    kv_values = [p.kv_cache_usage for p in with_metrics]
     waiting = [p.waiting for p in with_metrics]
     level = load_level(obs)
     if level > 0 or any(v > 0.01 for v in kv_values):
@@ -212,11 +212,11 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
 
     if current == 0:
         desired, reason = _from_zero(obs, policy)
-        kv_avg, queue = None, float(obs.gateway_queued)
+        kv_cache_usage_avg, queue = None, float(obs.gateway_queued)
     else:
-        raw, kv_avg, queue = _signal_desired(len(with_metrics), kv_values, waiting, missing, obs.gateway_queued,
-                                             policy)
-        desired, reason = max(1, raw), _reason(raw, current, kv_avg, queue, policy)  # zero only when idle
+        raw, kv_cache_usage_avg, queue = _signal_desired(len(with_metrics), kv_values, waiting, missing,
+                                                         obs.gateway_queued, policy)
+        desired, reason = max(1, raw), _reason(raw, current, kv_cache_usage_avg, queue, policy)  # zero only when idle
         if missing:
             reason += f"; {missing} pod(s) without metrics"
         idle_for = now - (state.last_busy if state.last_busy is not None else now)
@@ -236,7 +236,7 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
         reason += f" (clamped to [{policy.min_replicas}, {policy.max_replicas}])"
     if burst and clamped > current:
         reason = "burst: " + reason
-    return Decision(clamped, reason, kv_avg, queue, panic)
+    return Decision(clamped, reason, kv_cache_usage_avg, queue, panic)
 
 
 def _from_zero(obs: Observation, policy: AutoscalingPolicy) -> tuple[int, str]:
@@ -247,7 +247,7 @@ def _from_zero(obs: Observation, policy: AutoscalingPolicy) -> tuple[int, str]:
 
 
 def _reason(raw: int, current: int, kv: float | None, queue: float, policy: AutoscalingPolicy) -> str:
-    kv_text = "no KV metrics" if kv is None else f"KV usage {kv:.2f} vs target {policy.target_kv_usage:.2f}"
+    kv_text = "no KV metrics" if kv is None else f"KV usage {kv:.2f} vs target {policy.target_kv_cache_usage:.2f}"
     q_text = f"queue {queue:.1f}/replica vs target {policy.target_queue_per_replica:g}"
     if raw == current:
         return f"within tolerance: {kv_text}, {q_text}"

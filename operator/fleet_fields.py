@@ -47,7 +47,7 @@ AUTOSCALING_ENABLED = FleetField("enabled", "autoscaling_enabled", "boolean", Fa
 AUTOSCALING_FIELDS = (
     FleetField("minReplicas", "min_replicas", "integer", 1, 0, 1000, "0 lets an idle fleet scale to zero"),
     FleetField("maxReplicas", "max_replicas", "integer", 8, 1, 1000),
-    FleetField("targetKVCacheUsage", "target_kv_usage", "number", 0.7, 0.01, 1.0),
+    FleetField("targetKVCacheUsage", "target_kv_cache_usage", "number", 0.7, 0.01, 1.0),
     FleetField("targetQueuePerReplica", "target_queue_per_replica", "number", 4.0, 0.1, 1e6),
     FleetField("tolerance", "tolerance", "number", 0.1, 0.0, 0.99),
     FleetField("scaleUpStabilizationSeconds", "scale_up_stabilization_s", "integer", 0, 0, 3600, reads_float=True),

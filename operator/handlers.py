@@ -142,7 +142,7 @@ class FleetHandlers:
             return
         pods, queued, counts = await observe_fleet(fleet, self.config.redis_url, self.config.scrape_timeout_s)
         patch.status.update(counts)
-        metrics.KV_USAGE.labels(namespace, name).set(counts["kvCacheUsage"])
+        metrics.KV_CACHE_USAGE.labels(namespace, name).set(counts["kvCacheUsage"])
         metrics.GATEWAY_QUEUED.labels(namespace, name).set(queued)
         if not fleet.autoscaling_enabled:
             return

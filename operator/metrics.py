@@ -10,7 +10,7 @@ SCALE_DECISIONS = Counter("kvfleet_operator_scale_decisions", "Replica changes t
                           ["namespace", "fleet", "direction"])
 DESIRED_REPLICAS = Gauge("kvfleet_operator_desired_replicas", "The autoscaler's last recommendation",
                          ["namespace", "fleet"])
-KV_USAGE = Gauge("kvfleet_operator_fleet_kv_cache_usage", "Mean KV-cache usage of a fleet's ready pods",
+KV_CACHE_USAGE = Gauge("kvfleet_operator_fleet_kv_cache_usage", "Mean KV-cache usage of a fleet's ready pods",
                  ["namespace", "fleet"])
 GATEWAY_QUEUED = Gauge("kvfleet_operator_fleet_gateway_queued", "A fleet's requests waiting at the gateway",
                        ["namespace", "fleet"])

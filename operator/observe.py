@@ -73,9 +73,9 @@ async def observe_fleet(fleet: FleetSpec, redis_url: str | None,
         loads = await asyncio.gather(*(scrape_pod(http, u) for u in urls))
     queued = await gateway_queued(redis_url, fleet.name)
     replicas, ready = await asyncio.to_thread(deployment_replicas, fleet)
-    kv = [p.kv_usage for p in loads if p.kv_usage is not None]
-    kv_avg = sum(kv) / len(kv) if kv else 0.0
-    status = {"replicas": replicas, "readyReplicas": ready, "kvCacheUsage": round(kv_avg, 3),
-              "kvCachePercent": round(kv_avg * 100), "requestsRunning": sum(p.running or 0 for p in loads),
+    kv = [p.kv_cache_usage for p in loads if p.kv_cache_usage is not None]
+    kv_cache_usage_avg = sum(kv) / len(kv) if kv else 0.0
+    status = {"replicas": replicas, "readyReplicas": ready, "kvCacheUsage": round(kv_cache_usage_avg, 3),
+              "kvCachePercent": round(kv_cache_usage_avg * 100), "requestsRunning": sum(p.running or 0 for p in loads),
               "requestsWaiting": sum(p.waiting or 0 for p in loads), "gatewayQueued": queued}
     return loads, queued, status

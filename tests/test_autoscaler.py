@@ -166,8 +166,8 @@ def test_min_one_never_scales_to_zero() -> None:
 @pytest.mark.parametrize("kwargs,message", [
     ({"min_replicas": 5, "max_replicas": 2}, "minReplicas"),
     ({"max_replicas": 0, "min_replicas": 0}, "maxReplicas"),
-    ({"target_kv_usage": 0}, "targetKVCacheUsage"),
-    ({"target_kv_usage": 1.5}, "targetKVCacheUsage"),
+    ({"target_kv_cache_usage": 0}, "targetKVCacheUsage"),
+    ({"target_kv_cache_usage": 1.5}, "targetKVCacheUsage"),
     ({"target_queue_per_replica": 0}, "targetQueuePerReplica"),
     ({"tolerance": 1.0}, "tolerance"),
     ({"scale_down_stabilization_s": -1}, "stabilization"),

@@ -38,7 +38,7 @@ def test_schema_defaults_match_what_the_operator_assumes() -> None:
     assert engine["maxModelLen"]["default"] == fleet.engine.max_model_len
     assert engine["maxNumSeqs"]["default"] == fleet.engine.max_num_seqs
     assert auto["maxReplicas"]["default"] == fleet.autoscaling.max_replicas
-    assert auto["targetKVCacheUsage"]["default"] == fleet.autoscaling.target_kv_usage
+    assert auto["targetKVCacheUsage"]["default"] == fleet.autoscaling.target_kv_cache_usage
     assert auto["scaleDownStabilizationSeconds"]["default"] == fleet.autoscaling.scale_down_stabilization_s
     assert spec_schema["required"] == ["model"]
     rule = spec_schema["properties"]["autoscaling"]["x-kubernetes-validations"][0]

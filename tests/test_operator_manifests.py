@@ -55,7 +55,7 @@ def test_the_service_is_headless_on_the_http_port() -> None:
 def test_autoscaling_settings_are_read() -> None:
     fleet = parse_fleet("chat", "llm", SPEC)
     assert fleet.autoscaling_enabled and fleet.autoscaling.max_replicas == 6
-    assert fleet.autoscaling.target_kv_usage == 0.6 and fleet.autoscaling.scale_down_stabilization_s == 300
+    assert fleet.autoscaling.target_kv_cache_usage == 0.6 and fleet.autoscaling.scale_down_stabilization_s == 300
 
 
 @pytest.mark.parametrize("change,field", [

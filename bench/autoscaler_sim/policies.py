@@ -76,7 +76,7 @@ def sweep_variants(max_replicas: int) -> dict[str, AutoscalingPolicy]:
     """kvfleet policies with other parameters, for when the default misses the target."""
     default = AutoscalingPolicy(min_replicas=1, max_replicas=max_replicas)
     return {
-        "targets KV 0.4, queue 1": replace(default, target_kv_usage=0.4, target_queue_per_replica=1.0),
+        "targets KV 0.4, queue 1": replace(default, target_kv_cache_usage=0.4, target_queue_per_replica=1.0),
         "down window 60 s": replace(default, scale_down_stabilization_s=60.0),
         "up x4 per period": replace(default, max_scale_up_factor=4.0),
         **{f"min {n}": replace(default, min_replicas=n) for n in (8, 16, 20, 24)},
