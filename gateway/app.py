@@ -22,12 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfleet.fleet import headers
 from kvfleet.fleet.body_limit import BodyLimit
+from kvfleet.fleet.client_gone import unless_client_leaves
 from kvfleet.fleet.errors import APIError, install_error_handlers
 from kvfleet.fleet.http_limits import BodyDeadline
 from kvfleet.fleet.openai_schema import RequestSchemaError, parse_json, validate_request
 from kvfleet.fleet.priority import DEFAULT_PRIORITY, Priority, forwarded_engine_priority, parse_priority
 from kvfleet.gateway.admission import Action, admit, retry_after_seconds
-from kvfleet.gateway.client_gone import unless_client_leaves
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.fleet_queue import FleetQueue, Outcome

@@ -1,7 +1,8 @@
-"""Abandoned work stops: a client that disconnects while the gateway waits on an engine cancels that wait.
+"""Abandoned work stops: a client that disconnects while a non-streaming answer is being made cancels that work.
 
-Cancelling the wait closes the engine connection mid-request, which is how an engine (ours or vLLM) learns to abort
-the request and free its KV cache. Streams need no help: Starlette cancels a stream's relay when its client leaves.
+In the gateway, cancelling the wait closes the engine connection mid-request, which is how an engine (ours or vLLM)
+learns to abort the request and free its KV cache; in the engine, cancelling the answer aborts the request's
+sequences. Streams need no help: Starlette cancels a stream's relay when its client leaves.
 """
 
 from __future__ import annotations
