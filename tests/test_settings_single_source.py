@@ -194,3 +194,23 @@ def test_the_gateway_flags_defaults_are_gatewayconfigs() -> None:
     differ = [f.name for f in dataclasses.fields(GatewayConfig) if f.name != "gateway_id"
               and getattr(from_flags, f.name) != getattr(declared_defaults, f.name)]
     assert differ == []
+
+
+def test_the_charts_gateway_values_are_the_gateways_defaults_and_choices() -> None:
+    """values.yaml restates a few `kvfleet gateway` defaults (helm users read them there); they must be the same."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from kvfleet.gateway.config import GatewayConfig
+    from kvfleet.gateway.routing import STRATEGIES
+    chart = Path(__file__).resolve().parent.parent / "charts" / "kvfleet"
+    values = yaml.safe_load((chart / "values.yaml").read_text())["gateway"]
+    schema = json.loads((chart / "values.schema.json").read_text())["properties"]["gateway"]["properties"]
+    defaults = GatewayConfig()
+    assert values["maxQueueMs"] == defaults.default_max_queue_ms
+    assert schema["maxQueueMs"]["maximum"] == defaults.max_queue_ms_limit
+    assert values["routing"] == defaults.routing
+    assert schema["routing"]["enum"] == list(STRATEGIES)
+    assert values["port"] == build_parser().parse_args(["gateway"]).port
