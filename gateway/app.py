@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 
 import httpx
@@ -27,6 +27,7 @@ from kvfleet.fleet.errors import APIError, install_error_handlers
 from kvfleet.fleet.http_limits import BodyDeadline
 from kvfleet.fleet.openai_schema import RequestSchemaError, parse_json, validate_request
 from kvfleet.fleet.priority import DEFAULT_PRIORITY, Priority, forwarded_engine_priority, parse_priority
+from kvfleet.gateway.access import admit_key, authenticate
 from kvfleet.gateway.admission import Action, admit, retry_after_seconds
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.endpoints import EndpointPool
@@ -36,7 +37,7 @@ from kvfleet.gateway.prefix import PrefixAffinity, prompt_text
 from kvfleet.gateway.proxy import Forwarder
 from kvfleet.gateway.routing import available, free_slots
 from kvfleet.gateway.scraper import Scraper
-from kvfleet.gateway.usage import Settlement, ask_stream_usage, request_cost
+from kvfleet.gateway.usage import Settlement, ask_stream_usage
 
 log = logging.getLogger("kvfleet.gateway")
 
@@ -237,35 +238,16 @@ class Gateway:
         return value
 
     async def _authenticate(self, request: Request) -> object | None:
-        if self.keys is None:
-            return None
-        key = self.keys.authenticate_headers(request.headers)
-        if key is None:
-            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                           "authentication_error", code="invalid_api_key")
-        return key
+        return authenticate(self.keys, request.headers)
 
     async def _limit(self, key: object | None, body: dict | None) -> Settlement | None:
-        """Admits a request against its key's rpm/tpm, reserving its cost; the Settlement settles it at the end."""
-        if key is None or self.limiter is None:
-            return None
-        cost = request_cost(body) if body is not None and getattr(key, "tpm", None) is not None else None
-        verdict = await self.limiter.admit(key, cost.tokens if cost else 0)
-        if not verdict.allowed:
-            self.metrics.shed.labels("any", f"rate_limit_{verdict.reason}").inc()
-            per = "requests" if verdict.reason == "rpm" else "tokens"
-            raise APIError(429, f"API key {key.key_id} is over its {per}-per-minute limit; retry in "
-                                f"{verdict.retry_after_s} s", "rate_limit_exceeded", code=f"{verdict.reason}_limit",
-                           headers={headers.RETRY_AFTER: str(verdict.retry_after_s)})
-        reservation = verdict.reservation
-        if cost is None or reservation is None:
-            return None
+        return await admit_key(self.limiter, key, body, self.metrics, self._run_in_background)
 
-        def settle(actual: int) -> None:  # called from sync code (the relay's end): Redis is written in a task
-            task = asyncio.create_task(self.limiter.settle(reservation, actual))
-            self._tasks.append(task)
-            task.add_done_callback(self._tasks.remove)
-        return Settlement(cost, settle)
+    def _run_in_background(self, work: Coroutine) -> None:
+        """A Redis write started from sync code (the relay's end), awaited at stop."""
+        task = asyncio.create_task(work)
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
 
     # ---- status -------------------------------------------------------------------------------------------
     def ready_body(self) -> dict:
