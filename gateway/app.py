@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -40,6 +40,18 @@ from kvfleet.gateway.scraper import Scraper
 from kvfleet.gateway.usage import Settlement, ask_stream_usage
 
 log = logging.getLogger("kvfleet.gateway")
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request the gateway let through: the body to send (rewritten when `changed`), its prompt's block hashes,
+    the token reservation to settle, and whether it waited in the queue (then it must go somewhere)."""
+
+    body: bytes
+    changed: bool
+    hashes: list[bytes]
+    settlement: Settlement | None
+    released: bool
 
 
 @dataclass
@@ -148,9 +160,33 @@ class Gateway:
         return response
 
     async def _handle(self, request: Request, path: str, request_id: str, priority: Priority) -> Response:
-        max_queue_ms = self._max_queue_ms(request.headers.get(headers.MAX_QUEUE_MS))
-        key = await self._authenticate(request)
-        raw = await request.body()
+        admitted = await self.admit_request(path, request.headers, request.body, priority, request.is_disconnected)
+        settlement = admitted.settlement
+        try:
+            response = await unless_client_leaves(request.receive, self.forwarder.forward(
+                path, admitted.body, request.headers.raw, request_id, admitted.hashes, admitted.released,
+                on_tokens=settlement))
+        except BaseException as err:
+            if settlement is not None and isinstance(err, APIError) and err.status == 499:
+                settlement.abandoned()  # the engine worked for a client that left: its count is unknown
+            elif settlement is not None:
+                settlement.refund()  # failed before an answer: nothing was generated
+            raise
+        if settlement is not None and not isinstance(response, StreamingResponse):
+            settlement.refund()  # an answer the relay did not count (a busy engine's refusal); no-op once settled
+        return response
+
+    async def admit_request(self, path: str, request_headers: Mapping[str, str],
+                            read_body: Callable[[], Awaitable[bytes]], priority: Priority,
+                            is_disconnected: Callable[[], Awaitable[bool]],
+                            on_queue: Callable[[float], Awaitable[None]] | None = None) -> Admitted:
+        """Everything the gateway decides before a request goes to an engine, whatever carries its bytes (this
+        proxy or Envoy): the key, the strict schema, rpm/tpm, the trust rule on priority, and the admission verdict
+        with its wait in the fleet queue. APIError for a refusal or a shed; `on_queue(max_queue_ms)` is told
+        before a wait in the queue. The body is read only once the headers pass."""
+        max_queue_ms = self._max_queue_ms(request_headers.get(headers.MAX_QUEUE_MS))
+        key = authenticate(self.keys, request_headers)
+        raw = await read_body()
         try:  # the engines' own strict schema: a body they would refuse never waits in the queue or costs a retry
             body = parse_json(raw)
             validate_request(path, body)
@@ -170,8 +206,6 @@ class Gateway:
             settlement.hide_stream_usage = changed = True  # the count comes from the usage chunk, hidden again
         if changed:
             raw = json.dumps(body).encode()
-
-        sent = False
         try:
             has_capacity = bool(available(self.pool.snapshots(), self.config.saturation))
             counts = self.queue.counts()
@@ -179,25 +213,19 @@ class Gateway:
                             self.config.queue_caps[priority])
             if verdict.action is Action.SHED:
                 raise self._shed(priority, verdict.reason, verdict.message)
-            released = False
-            if verdict.action is Action.QUEUE:
-                await self._wait_in_queue(request, priority, max_queue_ms, has_capacity)
-                released = True
-            sent = True
-            response = await unless_client_leaves(request.receive, self.forwarder.forward(
-                path, raw, request.headers.raw, request_id, hashes, released, on_tokens=settlement))
-        except BaseException as err:
-            if settlement is not None and sent and isinstance(err, APIError) and err.status == 499:
-                settlement.abandoned()  # the engine worked for a client that left: its count is unknown
-            elif settlement is not None:
-                settlement.refund()  # refused, shed, timed out or failed before an answer: nothing was generated
+            released = verdict.action is Action.QUEUE
+            if released:
+                if on_queue is not None:
+                    await on_queue(max_queue_ms)
+                await self._wait_in_queue(is_disconnected, priority, max_queue_ms, has_capacity)
+        except BaseException:
+            if settlement is not None:
+                settlement.refund()  # refused, shed or timed out in the queue: nothing was generated
             raise
-        if settlement is not None and not isinstance(response, StreamingResponse):
-            settlement.refund()  # an answer the relay did not count (a busy engine's refusal); no-op once settled
-        return response
+        return Admitted(raw, changed, hashes, settlement, released)
 
-    async def _wait_in_queue(self, request: Request, priority: Priority, max_queue_ms: float,
-                             has_capacity: bool) -> None:
+    async def _wait_in_queue(self, is_disconnected: Callable[[], Awaitable[bool]], priority: Priority,
+                             max_queue_ms: float, has_capacity: bool) -> None:
         entry = await self.queue.enqueue(priority, max_queue_ms)
         if entry is None:
             raise self._shed(priority, "queue_full", f"the fleet queue for {priority.value} requests is full "
@@ -205,7 +233,7 @@ class Gateway:
         if has_capacity:
             self.poke()
         started = time.monotonic()
-        outcome = await self.queue.wait(entry, request.is_disconnected)
+        outcome = await self.queue.wait(entry, is_disconnected)
         self.metrics.queue_wait.labels(priority.value).observe(time.monotonic() - started)
         if outcome is Outcome.EXPIRED:
             self.metrics.shed.labels(priority.value, "deadline").inc()
@@ -236,9 +264,6 @@ class Gateway:
             raise APIError(400, f"{headers.MAX_QUEUE_MS} must be a number of milliseconds from 0 to {limit:.0f}, "
                                 f"not {header!r}", param=headers.MAX_QUEUE_MS)
         return value
-
-    async def _authenticate(self, request: Request) -> object | None:
-        return authenticate(self.keys, request.headers)
 
     async def _limit(self, key: object | None, body: dict | None) -> Settlement | None:
         return await admit_key(self.limiter, key, body, self.metrics, self._run_in_background)
@@ -315,7 +340,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        await gateway._limit(await gateway._authenticate(request), None)
+        await gateway._limit(authenticate(gateway.keys, request.headers), None)
         url = gateway.forwarder.choose([], must=True)
         if url is None:
             raise APIError(503, "no engine is available yet; retry shortly", "service_unavailable",
