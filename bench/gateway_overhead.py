@@ -36,7 +36,7 @@ from kvfleet.bench_report import percentile
 from kvfleet.loadgen import ENDPOINTS, LoadSpec, PlannedRequest, RequestRecord, make_prompts, send_one
 
 TARGET_ADDED_P99_MS = 2.0
-ARMS = ("direct", "gateway", "gateway-no-limit")
+ARMS = ("direct", "gateway", "gateway-no-limit", "gateway-envoy")
 NO_LIMIT = ["--saturation-queue", "1000000"]  # the engine never counts as saturated: nothing waits in the queue
 
 
@@ -206,8 +206,12 @@ def main() -> int:
         urls = {"direct": fleet.engines[0].url,
                 "gateway": fleet.start_gateway("kvfleet", fleet="overhead", extra=shlex.split(args.gateway_args)),
                 "gateway-no-limit": fleet.start_gateway("kvfleet", fleet="overhead-no-limit", alongside=True,
-                                                        extra=[*shlex.split(args.gateway_args), *NO_LIMIT])}
-        names = {"gateway": "gateway-overhead", "gateway-no-limit": "gateway-overhead-no-limit"}
+                                                        extra=[*shlex.split(args.gateway_args), *NO_LIMIT]),
+                "gateway-envoy": fleet.start_gateway("kvfleet", fleet="overhead-envoy", alongside=True,
+                                                     extra=[*shlex.split(args.gateway_args), *NO_LIMIT,
+                                                            "--data-plane", "envoy"])}
+        names = {"gateway": "gateway-overhead", "gateway-no-limit": "gateway-overhead-no-limit",
+                 "gateway-envoy": "gateway-overhead-envoy"}
         measured, lag = asyncio.run(with_loop_lag(measure(fleet, urls, args)))
     failures = sum(not (r["status"] == 200 and r["error"] is None) for rs in measured["latency"].values() for r in rs)
     peak = {arm: {"requests_per_s": max(w["requests_per_s"] for w in windows),
@@ -325,7 +329,7 @@ def chart(report: dict, path: Path) -> Path | None:
     if plt is None:
         return None
     fig, (cdf, cpu) = plt.subplots(1, 2, figsize=(14, 5))
-    for arm, color in zip(ARMS, ("tab:gray", "tab:green", "tab:blue"), strict=True):
+    for arm, color in zip(ARMS, ("tab:gray", "tab:green", "tab:blue", "tab:orange"), strict=True):
         for stream, style in ((True, "-"), (False, "--")):
             values = sorted(1000 * r["e2e_s"] for r in report["records"][arm]
                             if r["stream"] is stream and r["status"] == 200 and r["error"] is None)

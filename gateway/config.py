@@ -13,6 +13,7 @@ from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.routing import STRATEGIES, SaturationPolicy, ScoreWeights
 
 ROUTING_STRATEGIES = tuple(STRATEGIES)  # the routing registry's names, in its order
+DATA_PLANES = ("python", "envoy")
 DEFAULT_CAPS = {Priority.CRITICAL: 1000, Priority.STANDARD: 1000, Priority.SHEDDABLE: 100}
 
 
@@ -43,6 +44,8 @@ class GatewayConfig:
     engine_api_key: str | None = field(default=None, repr=False)  # sent upstream as `Authorization: Bearer <key>`
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     enable_docs: bool = False  # /docs, /redoc and /openapi.json
+    # "python": this process proxies every byte; "envoy": Envoy does, asking this process's endpoint picker
+    data_plane: str = "python"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     forward_priority: bool = True  # set the body's `priority` (vLLM semantics) from the class
     api_keys_file: str | None = None
@@ -60,6 +63,8 @@ class GatewayConfig:
             raise ValueError("--k8s-selector needs --k8s-namespace")
         if self.routing not in ROUTING_STRATEGIES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_STRATEGIES)}, not {self.routing!r}")
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"--data-plane must be one of {', '.join(DATA_PLANES)}, not {self.data_plane!r}")
         if not 0.05 <= self.scrape_interval_s <= 10:
             raise ValueError("--scrape-interval must be between 0.05 and 10 seconds")
         if not 0 <= self.default_max_queue_ms <= self.max_queue_ms_limit:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
@@ -16,14 +17,24 @@ def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     gateway = Gateway(config)
     _attach_access_control(gateway)
+    if config.data_plane == "envoy":
+        from kvfleet.gateway.envoy_front import serve_with_envoy
+
+        _say_serving(config, host, port)
+        return asyncio.run(serve_with_envoy(gateway, host, port, drain_timeout))
     server = uvicorn.Server(server_config(build_app(gateway), host, port, drain_timeout, config.http_limits,
                                                  backlog=4096))
+    _say_serving(config, host, port)
+    server.run()
+    return 0
+
+
+def _say_serving(config: GatewayConfig, host: str, port: int) -> None:
     source = (f"{len(config.engines)} static engine(s)" if config.engines else
               f"pods {config.k8s_selector!r} in {config.k8s_namespace}" if config.k8s_selector else "no engines")
     print(f"kvfleet gateway: http://{host}:{port} -> {source}, fleet {config.fleet!r}, "
-          f"queue {'in Redis' if config.redis_url else 'in-process'}", file=sys.stderr, flush=True)
-    server.run()
-    return 0
+          f"queue {'in Redis' if config.redis_url else 'in-process'}, data plane {config.data_plane}",
+          file=sys.stderr, flush=True)
 
 
 def _attach_access_control(gateway: Gateway) -> None:

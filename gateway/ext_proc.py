@@ -1,0 +1,150 @@
+"""The endpoint picker: the gateway's decision core behind Envoy's external processing (ext_proc) gRPC API, as the
+Gateway API Inference Extension's endpoint picker protocol has it.
+
+Per generation request Envoy opens one stream: the request's headers (answered "continue" once the key and the
+priority header pass), then its buffered body. The picker runs the same decisions as the Python proxy
+(Gateway.admit_request: schema, limits, priority, admission, the fleet queue) and answers with the chosen engine in
+`x-gateway-destination-endpoint` (and a rewritten body when the trust rule changed it), or with an immediate
+OpenAI error (400, 401, 429, 503 with Retry-After). A queued request is a stream the picker holds; the stream ends
+when Envoy has finished the HTTP request, which is when the engine's in-flight count drops. No token passes here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping
+
+import grpc
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
+    ExternalProcessorServicer,
+    add_ExternalProcessorServicer_to_server,
+)
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.duration_pb2 import Duration
+
+from kvfleet.fleet import headers
+from kvfleet.fleet.errors import APIError
+from kvfleet.fleet.priority import DEFAULT_PRIORITY, parse_priority
+from kvfleet.gateway.app import Gateway
+from kvfleet.gateway.envoy_config import DESTINATION_HEADER, PICKER_MARGIN_S
+
+log = logging.getLogger("kvfleet.gateway.picker")
+# Client credentials for the gateway never reach an engine; the engines' own token replaces them.
+_CLIENT_CREDENTIALS = (headers.AUTHORIZATION, headers.API_KEY)
+
+
+def header_map(message: pb.HttpHeaders) -> dict[str, str]:
+    """Envoy's request headers as a lower-case dict (values arrive in raw_value)."""
+    return {h.key.lower(): (h.raw_value.decode("latin-1") if h.raw_value else h.value)
+            for h in message.headers.headers}
+
+
+def _set(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode("latin-1")),
+                             append_action=HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def immediate(err: APIError, request_id: str) -> pb.ProcessingResponse:
+    """An OpenAI error answered by Envoy at once, without an engine."""
+    set_headers = [_set("content-type", "application/json"), _set(headers.REQUEST_ID, request_id)]
+    set_headers += [_set(k, v) for k, v in err.headers.items()]
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=HttpStatus(code=err.status), headers=pb.HeaderMutation(set_headers=set_headers),
+        body=json.dumps(err.body()).encode()))
+
+
+def route_to(url: str, body: bytes | None, engine_api_key: str | None) -> pb.ProcessingResponse:
+    """The body phase's answer: go to this engine (host:port), with the engines' token and maybe a new body."""
+    set_headers = [_set(DESTINATION_HEADER, url.split("://", 1)[-1].rstrip("/"))]
+    remove = list(_CLIENT_CREDENTIALS)
+    if engine_api_key:
+        set_headers.append(_set(headers.AUTHORIZATION, f"Bearer {engine_api_key}"))
+        remove.remove(headers.AUTHORIZATION)
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers, remove_headers=remove))
+    if body is not None:
+        common.body_mutation.body = body
+        common.header_mutation.set_headers.append(_set("content-length", str(len(body))))
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+
+class EndpointPicker(ExternalProcessorServicer):
+    """One Envoy stream per request; the decisions are the gateway's own."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 (gRPC's name)
+        first = await context.read()
+        if first is grpc.aio.EOF or not first.HasField("request_headers"):
+            return
+        request_headers = header_map(first.request_headers)
+        request_id = request_headers.get(headers.REQUEST_ID, "")
+        priority = DEFAULT_PRIORITY
+        url: str | None = None
+        try:
+            try:
+                priority = parse_priority(request_headers.get(headers.PRIORITY))
+            except ValueError as err:
+                raise APIError(400, str(err), param=headers.PRIORITY) from None
+            url = await self._decide(context, request_headers, priority)
+        except APIError as err:
+            if err.status != 499:  # a client that left is answered by nobody
+                await context.write(immediate(err, request_id))
+            self.gateway.metrics.requests.labels(priority.value, str(err.status)).inc()
+            return
+        self.gateway.metrics.requests.labels(priority.value, "200").inc()
+        try:
+            while await context.read() is not grpc.aio.EOF:  # Envoy closes the stream when the request is done
+                pass
+        finally:
+            self.gateway.pool.record_done(url, None)
+
+    async def _decide(self, context: grpc.aio.ServicerContext, request_headers: Mapping[str, str],
+                      priority) -> str:
+        gateway = self.gateway
+        left = asyncio.Event()
+        context.add_done_callback(lambda _: left.set())
+
+        async def read_body() -> bytes:
+            await context.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
+            message = await context.read()
+            if message is grpc.aio.EOF:
+                raise APIError(499, "the client closed the connection", code="client_closed")
+            return message.request_body.body
+
+        async def is_disconnected() -> bool:
+            return left.is_set()
+
+        async def on_queue(max_queue_ms: float) -> None:  # Envoy holds the request as long as the queue may
+            seconds = max_queue_ms / 1000.0 + PICKER_MARGIN_S
+            await context.write(pb.ProcessingResponse(
+                override_message_timeout=Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9))))
+
+        path = request_headers.get(":path", "").split("?", 1)[0]
+        admitted = await gateway.admit_request(path, request_headers, read_body, priority, is_disconnected, on_queue)
+        if admitted.settlement is not None:
+            admitted.settlement.abandoned()  # Envoy relays the answer: its token count is not seen here (yet)
+        url = gateway.forwarder.choose(admitted.hashes, must=admitted.released)
+        if url is None:
+            raise APIError(503, "no engine is available; retry later", "service_unavailable", code="no_engine",
+                           headers={headers.RETRY_AFTER: "1"})
+        gateway.pool.record_dispatch(url)
+        gateway.metrics.routed.labels(url).inc()
+        if admitted.hashes:
+            gateway.prefix.record(admitted.hashes, url)
+        await context.write(route_to(url, admitted.body if admitted.changed else None,
+                                     gateway.config.engine_api_key))
+        return url
+
+
+async def start_picker(gateway: Gateway, port: int) -> grpc.aio.Server:
+    """The picker's gRPC server on loopback (Envoy is its only client)."""
+    server = grpc.aio.server()
+    add_ExternalProcessorServicer_to_server(EndpointPicker(gateway), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server
