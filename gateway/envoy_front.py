@@ -60,13 +60,15 @@ async def serve_with_envoy(gateway: Gateway, host: str, port: int, drain_timeout
         if serving.done():
             return 1
         await asyncio.sleep(0.05)
-    picker = await start_picker(gateway, picker_port)
     run_dir = Path(tempfile.mkdtemp(prefix="kvfleet-envoy-"))
     bootstrap = run_dir / "envoy.json"
     bootstrap.write_text(json.dumps(build_bootstrap(config, host, port, picker_port, app_port, admin_port)))
+    # Envoy is forked before the picker's gRPC server starts its threads: a fork (preexec_fn needs one) while gRPC
+    # threads run can abort the child before it execs Envoy. Envoy retries the picker until it listens.
     envoy = await asyncio.create_subprocess_exec(
         envoy_binary(), "-c", str(bootstrap), "--disable-hot-restart", "--log-level", "warn",
         "--log-path", str(run_dir / "envoy.log"), preexec_fn=_die_with_parent)
+    picker = await start_picker(gateway, picker_port)
     print(f"kvfleet gateway: Envoy serves http://{host}:{port} (picker on 127.0.0.1:{picker_port}, "
           f"Envoy log {run_dir / 'envoy.log'})", file=sys.stderr, flush=True)
     exited = asyncio.create_task(envoy.wait())
