@@ -39,7 +39,6 @@ from kvfleet.engine.request_checks import StrictJSONRoute, check_prompt_chars
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import QueueFullError
 from kvfleet.fleet.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from kvfleet.fleet.client_gone import unless_client_leaves
 from kvfleet.fleet.errors import APIError, engine_fault, install_error_handlers
 from kvfleet.fleet.headers import RETRY_AFTER
 from kvfleet.fleet.http_limits import BodyDeadline, HttpLimits
@@ -47,6 +46,7 @@ from kvfleet.fleet.openai_schema import describe_unknown_fields
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 64  # prompts in one batched completions request
+DISCONNECT_POLL_SECONDS = 0.25
 
 log = logging.getLogger("kvfleet.engine")
 
@@ -181,9 +181,16 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
 # --- request handling ---------------------------------------------------------------------------
 
 
-async def _unless_disconnected(request: Request, work) -> dict:
-    """Await a non-streaming response, but abort the request (freeing its KV) as soon as the client goes away."""
-    return await unless_client_leaves(request.receive, work)
+async def _unless_disconnected(request: Request, work) -> dict | Response:
+    """Await a non-streaming response, but abort the request (freeing its KV) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
 
 
 def _include_usage(body: SamplingRequest) -> bool:
