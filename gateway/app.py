@@ -145,7 +145,7 @@ class Gateway:
 
     # ---- one request --------------------------------------------------------------------------------------
     async def handle(self, request: Request, path: str) -> Response:
-        request_id = _request_id(request.headers.get(headers.REQUEST_ID))
+        request_id = request_id_from(request.headers.get(headers.REQUEST_ID))
         priority = DEFAULT_PRIORITY
         try:
             try:
@@ -304,7 +304,8 @@ def _discovery(config: GatewayConfig):
     return StaticDiscovery(config.engines)
 
 
-def _request_id(given: str | None) -> str:
+def request_id_from(given: str | None) -> str:
+    """The client's x-request-id when it is short and printable, else a new one."""
     if given and len(given) <= 128 and given.isprintable():
         return given
     return uuid.uuid4().hex

@@ -29,7 +29,7 @@ from google.protobuf.duration_pb2 import Duration
 from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.priority import DEFAULT_PRIORITY, parse_priority
-from kvfleet.gateway.app import Gateway
+from kvfleet.gateway.app import Gateway, request_id_from
 from kvfleet.gateway.envoy_config import DESTINATION_HEADER, PICKER_MARGIN_S
 
 log = logging.getLogger("kvfleet.gateway.picker")
@@ -82,7 +82,7 @@ class EndpointPicker(ExternalProcessorServicer):
         if first is grpc.aio.EOF or not first.HasField("request_headers"):
             return
         request_headers = header_map(first.request_headers)
-        request_id = request_headers.get(headers.REQUEST_ID, "")
+        request_id = request_id_from(request_headers.get(headers.REQUEST_ID))
         priority = DEFAULT_PRIORITY
         url: str | None = None
         try:
@@ -90,7 +90,7 @@ class EndpointPicker(ExternalProcessorServicer):
                 priority = parse_priority(request_headers.get(headers.PRIORITY))
             except ValueError as err:
                 raise APIError(400, str(err), param=headers.PRIORITY) from None
-            url = await self._decide(context, request_headers, priority)
+            url = await self._decide(context, request_headers, priority, first.request_headers.end_of_stream)
         except APIError as err:
             if err.status != 499:  # a client that left is answered by nobody
                 await context.write(immediate(err, request_id))
@@ -104,12 +104,14 @@ class EndpointPicker(ExternalProcessorServicer):
             self.gateway.pool.record_done(url, None)
 
     async def _decide(self, context: grpc.aio.ServicerContext, request_headers: Mapping[str, str],
-                      priority) -> str:
+                      priority, no_body: bool) -> str:
         gateway = self.gateway
         left = asyncio.Event()
         context.add_done_callback(lambda _: left.set())
 
         async def read_body() -> bytes:
+            if no_body:  # Envoy sends no body message for an empty body: the schema refuses it as the proxy does
+                return b""
             await context.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
             message = await context.read()
             if message is grpc.aio.EOF:

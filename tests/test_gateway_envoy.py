@@ -127,3 +127,10 @@ def test_the_clients_key_is_checked_by_the_picker_and_replaced_by_the_engines_to
     finally:
         stop_process(gateway)
         stop_process(engine)
+
+
+def test_an_empty_body_gets_a_400_from_the_picker_not_envoys_503(envoy_gateway) -> None:
+    url, _ = envoy_gateway
+    r = httpx.post(f"{url}/v1/completions", content=b"", headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400
+    assert json.loads(r.content)["error"]["message"]
