@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -50,6 +50,7 @@ class Row:
     victims_unharmed: bool
     passed: bool
     note: str
+    harmed: list = field(default_factory=list)  # how each harmed victim differed (empty when none was)
 
 
 def victim(url: str, model: str, prompt: str, stream: bool) -> Victim:
@@ -87,9 +88,20 @@ def run_victims(url: str, model: str) -> list[Victim]:
         return [f.result() for f in futures]
 
 
-def unharmed(got: list[Victim], alone: list[Victim]) -> bool:
-    return all(v.status == 200 and v.finish_reason and not v.error and v.text == a.text
-               for v, a in zip(got, alone, strict=True))
+def harms(got: list[Victim], alone: list[Victim]) -> list[str]:
+    """What happened to each victim that was not answered as when it ran alone ("" for none): which one, and how."""
+    found = []
+    for i, (v, a) in enumerate(zip(got, alone, strict=True)):
+        kind = "streaming" if i % 2 == 0 else "non-streaming"
+        if v.status != 200 or v.error:
+            found.append(f"victim {i} ({kind}): {v.status} {v.error or ''}".strip())
+        elif not v.finish_reason:
+            found.append(f"victim {i} ({kind}): no finish_reason")
+        elif v.text != a.text:
+            at = len(os.path.commonprefix([v.text, a.text]))
+            found.append(f"victim {i} ({kind}): text differs from char {at}: {v.text[at:at + 30]!r} "
+                         f"vs alone {a.text[at:at + 30]!r}")
+    return found
 
 
 def fleet_rss_mib(pids: list[int]) -> float | None:
@@ -128,11 +140,13 @@ def run_one(attack: Attack, target: Target, pids: list[int], alone: list[Victim]
         outcome.note = outcome.note or attack.aftermath(target)
     time.sleep(1.0)
     health = engines_healthy(target.gateway_url)
-    ok_victims = unharmed(got, alone)
+    harmed = harms(got, alone)
+    ok_victims = not harmed
     expected_health = f"{len(target.engine_urls)}/{len(target.engine_urls)}" if target.engine_urls else health
     passed = attack.passed(outcome) and ok_victims and health == expected_health
     return Row(attack.name, attack.description, outcome.statuses, sorted(map(str, attack.expected)),
-               round(outcome.seconds, 3), before, fleet_rss_mib(pids), health, ok_victims, passed, outcome.note)
+               round(outcome.seconds, 3), before, fleet_rss_mib(pids), health, ok_victims, passed, outcome.note,
+               harmed)
 
 
 def table(rows: list[Row]) -> str:
@@ -142,8 +156,9 @@ def table(rows: list[Row]) -> str:
         statuses = ", ".join(str(s) for s in dict.fromkeys(r.statuses))
         rss = "n/a" if r.rss_before_mib is None else f"{r.rss_before_mib:,.0f} → {r.rss_after_mib:,.0f}"
         note = f" ({r.note})" if r.note else ""
+        hurt = f" ({'; '.join(r.harmed)})" if r.harmed else ""
         lines.append(f"| {r.attack}: {r.description} | {statuses}{note} | {' / '.join(r.expected)} | {r.seconds:.2f} "
-                     f"| {rss} | {r.engines_healthy} | {'yes' if r.victims_unharmed else 'NO'} "
+                     f"| {rss} | {r.engines_healthy} | {'yes' if r.victims_unharmed else 'NO'}{hurt} "
                      f"| {'yes' if r.passed else 'NO'} |")
     return "\n".join(lines)
 
