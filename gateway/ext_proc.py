@@ -12,63 +12,25 @@ when Envoy has finished the HTTP request, which is when the engine's in-flight c
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Mapping
 
 import grpc
-from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     ExternalProcessorServicer,
     add_ExternalProcessorServicer_to_server,
 )
-from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
 from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.priority import DEFAULT_PRIORITY, parse_priority
 from kvfleet.gateway.app import Gateway, request_id_from
-from kvfleet.gateway.envoy_config import DESTINATION_HEADER, PICKER_MARGIN_S
+from kvfleet.gateway.envoy_config import PICKER_MARGIN_S
+from kvfleet.gateway.envoy_messages import header_map, immediate, route_to
 
 log = logging.getLogger("kvfleet.gateway.picker")
-# Client credentials for the gateway never reach an engine; the engines' own token replaces them.
-_CLIENT_CREDENTIALS = (headers.AUTHORIZATION, headers.API_KEY)
-
-
-def header_map(message: pb.HttpHeaders) -> dict[str, str]:
-    """Envoy's request headers as a lower-case dict (values arrive in raw_value)."""
-    return {h.key.lower(): (h.raw_value.decode("latin-1") if h.raw_value else h.value)
-            for h in message.headers.headers}
-
-
-def _set(key: str, value: str) -> HeaderValueOption:
-    return HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode("latin-1")),
-                             append_action=HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-
-
-def immediate(err: APIError, request_id: str) -> pb.ProcessingResponse:
-    """An OpenAI error answered by Envoy at once, without an engine."""
-    set_headers = [_set("content-type", "application/json"), _set(headers.REQUEST_ID, request_id)]
-    set_headers += [_set(k, v) for k, v in err.headers.items()]
-    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=HttpStatus(code=err.status), headers=pb.HeaderMutation(set_headers=set_headers),
-        body=json.dumps(err.body()).encode()))
-
-
-def route_to(url: str, body: bytes | None, engine_api_key: str | None) -> pb.ProcessingResponse:
-    """The body phase's answer: go to this engine (host:port), with the engines' token and maybe a new body."""
-    set_headers = [_set(DESTINATION_HEADER, url.split("://", 1)[-1].rstrip("/"))]
-    remove = list(_CLIENT_CREDENTIALS)
-    if engine_api_key:
-        set_headers.append(_set(headers.AUTHORIZATION, f"Bearer {engine_api_key}"))
-        remove.remove(headers.AUTHORIZATION)
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers, remove_headers=remove))
-    if body is not None:
-        common.body_mutation.body = body
-        common.header_mutation.set_headers.append(_set("content-length", str(len(body))))
-    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
 
 
 class EndpointPicker(ExternalProcessorServicer):
