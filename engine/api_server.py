@@ -197,11 +197,20 @@ def _include_usage(body: SamplingRequest) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
+# Unknown-field sets already logged: routers in front (sglang-router, vllm-router) add the same extra fields to
+# every request, and a warning per request costs the engine CPU on the hot path; the metric counts every one.
+_LOGGED_UNKNOWN: set[str] = set()
+_MAX_LOGGED_UNKNOWN = 256  # beyond this many distinct sets (a client making names up), only the metric counts
+
+
 def _check_model(state: ServerState, body: SamplingRequest) -> None:
     ignored = body.unknown_fields()
     if ignored:  # newer clients send fields we do not know yet: serve them, and say so (escaped, bounded)
         state.metrics.ignored_fields.inc(len(ignored))
-        log.warning("ignored unknown request fields: %s", describe_unknown_fields(ignored))
+        described = describe_unknown_fields(ignored)
+        if described not in _LOGGED_UNKNOWN and len(_LOGGED_UNKNOWN) < _MAX_LOGGED_UNKNOWN:
+            _LOGGED_UNKNOWN.add(described)
+            log.warning("ignored unknown request fields (logged once per set of names): %s", described)
     if body.model is not None and body.model != state.model_name:
         raise APIError(404, f"The model `{body.model[:200]}` does not exist; this engine serves "
                        f"`{state.model_name}`", param="model", code="model_not_found")

@@ -179,11 +179,13 @@ class Gateway:
     async def admit_request(self, path: str, request_headers: Mapping[str, str],
                             read_body: Callable[[], Awaitable[bytes]], priority: Priority,
                             is_disconnected: Callable[[], Awaitable[bool]],
-                            on_queue: Callable[[float], Awaitable[None]] | None = None) -> Admitted:
+                            on_queue: Callable[[float], Awaitable[None]] | None = None,
+                            stream_usage: bool = True) -> Admitted:
         """Everything the gateway decides before a request goes to an engine, whatever carries its bytes (this
         proxy or Envoy): the key, the strict schema, rpm/tpm, the trust rule on priority, and the admission verdict
         with its wait in the fleet queue. APIError for a refusal or a shed; `on_queue(max_queue_ms)` is told
-        before a wait in the queue. The body is read only once the headers pass."""
+        before a wait in the queue. The body is read only once the headers pass. `stream_usage` False: nothing will
+        read a stream's usage chunk (an Envoy without kvfleet's Lua filter), so the engine is not asked for it."""
         max_queue_ms = self._max_queue_ms(request_headers.get(headers.MAX_QUEUE_MS))
         key = authenticate(self.keys, request_headers)
         raw = await read_body()
@@ -202,7 +204,7 @@ class Gateway:
             del body["priority"]
         elif changed:
             body["priority"] = engine_priority  # the engine admits and preempts by it too
-        if settlement is not None and ask_stream_usage(body):
+        if settlement is not None and stream_usage and ask_stream_usage(body):
             settlement.hide_stream_usage = changed = True  # the count comes from the usage chunk, hidden again
         if changed:
             raw = json.dumps(body).encode()

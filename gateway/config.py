@@ -13,7 +13,10 @@ from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.routing import STRATEGIES, SaturationPolicy, ScoreWeights
 
 ROUTING_STRATEGIES = tuple(STRATEGIES)  # the routing registry's names, in its order
-DATA_PLANES = ("python", "envoy")
+# python: this process proxies; envoy: it runs Envoy as its child; envoy-sidecar: an Envoy beside it (the chart's
+# sidecar, bootstrap from gateway/envoy_sidecar.py) calls its picker; picker: an Inference-Extension Gateway's does
+DATA_PLANES = ("python", "envoy", "envoy-sidecar", "picker")
+DEFAULT_PICKER_PORT = 9002  # the Gateway API Inference Extension's endpoint picker (EPP) port
 DEFAULT_CAPS = {Priority.CRITICAL: 1000, Priority.STANDARD: 1000, Priority.SHEDDABLE: 100}
 
 
@@ -44,8 +47,9 @@ class GatewayConfig:
     engine_api_key: str | None = field(default=None, repr=False)  # sent upstream as `Authorization: Bearer <key>`
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     enable_docs: bool = False  # /docs, /redoc and /openapi.json
-    # "python": this process proxies every byte; "envoy": Envoy does, asking this process's endpoint picker
-    data_plane: str = "python"
+    data_plane: str = "python"  # one of DATA_PLANES
+    picker_port: int = DEFAULT_PICKER_PORT  # the picker's gRPC port with --data-plane picker or envoy-sidecar
+    envoy_endpoints_file: str | None = None  # envoy-sidecar: the EDS file this process writes and the Envoy reads
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     forward_priority: bool = True  # set the body's `priority` (vLLM semantics) from the class
     api_keys_file: str | None = None
@@ -65,6 +69,10 @@ class GatewayConfig:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_STRATEGIES)}, not {self.routing!r}")
         if self.data_plane not in DATA_PLANES:
             raise ValueError(f"--data-plane must be one of {', '.join(DATA_PLANES)}, not {self.data_plane!r}")
+        if not 1 <= self.picker_port <= 65535:
+            raise ValueError(f"--picker-port must be a TCP port (1-65535), not {self.picker_port}")
+        if (self.data_plane == "envoy-sidecar") != bool(self.envoy_endpoints_file):
+            raise ValueError("--envoy-endpoints-file goes with --data-plane envoy-sidecar, and only with it")
         if not 0.05 <= self.scrape_interval_s <= 10:
             raise ValueError("--scrape-interval must be between 0.05 and 10 seconds")
         if not 0 <= self.default_max_queue_ms <= self.max_queue_ms_limit:

@@ -20,6 +20,8 @@ import uvicorn
 from kvfleet.fleet.http_server import server_config
 from kvfleet.gateway.app import Gateway, build_app
 from kvfleet.gateway.envoy_config import build_bootstrap
+from kvfleet.gateway.envoy_endpoints import EndpointsFile
+from kvfleet.gateway.envoy_feed import EnvoyFeed
 from kvfleet.gateway.ext_proc import start_picker
 
 
@@ -62,13 +64,17 @@ async def serve_with_envoy(gateway: Gateway, host: str, port: int, drain_timeout
         await asyncio.sleep(0.05)
     run_dir = Path(tempfile.mkdtemp(prefix="kvfleet-envoy-"))
     bootstrap = run_dir / "envoy.json"
-    bootstrap.write_text(json.dumps(build_bootstrap(config, host, port, picker_port, app_port, admin_port)))
+    engines = EndpointsFile(gateway.pool, run_dir / "eds" / "engines.json")  # the engines, as Envoy's EDS file
+    bootstrap.write_text(json.dumps(build_bootstrap(config, host, port, picker_port, app_port, admin_port,
+                                                    engines.path)))
+    mirroring = asyncio.create_task(engines.run(), name="envoy endpoints")
     # Envoy is forked before the picker's gRPC server starts its threads: a fork (preexec_fn needs one) while gRPC
     # threads run can abort the child before it execs Envoy. Envoy retries the picker until it listens.
     envoy = await asyncio.create_subprocess_exec(
         envoy_binary(), "-c", str(bootstrap), "--disable-hot-restart", "--log-level", "warn",
         "--log-path", str(run_dir / "envoy.log"), preexec_fn=_die_with_parent)
-    picker = await start_picker(gateway, picker_port)
+    feed = EnvoyFeed(gateway.pool, gateway.metrics)  # Envoy's access log: usage, status, outcomes
+    picker = await start_picker(gateway, picker_port, feed)
     print(f"kvfleet gateway: Envoy serves http://{host}:{port} (picker on 127.0.0.1:{picker_port}, "
           f"Envoy log {run_dir / 'envoy.log'})", file=sys.stderr, flush=True)
     exited = asyncio.create_task(envoy.wait())
@@ -84,7 +90,9 @@ async def serve_with_envoy(gateway: Gateway, host: str, port: int, drain_timeout
                 await asyncio.wait_for(exited, drain_timeout)
             except TimeoutError:
                 envoy.kill()
+        mirroring.cancel()
         await picker.stop(grace=1.0)
+        await feed.stop()
         server.should_exit = True
         await serving
     return 0 if envoy.returncode in (0, -15) else 1

@@ -1,16 +1,24 @@
-"""The picker's messages to Envoy (ext_proc): reading request headers, routing to an engine, answering at once."""
+"""The picker's messages to Envoy (ext_proc): reading request headers and the subset hint, routing to engines,
+answering at once; in the Gateway API Inference Extension's endpoint picker protocol (its proposal 004)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct
 
 from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
 from kvfleet.gateway.envoy_config import DESTINATION_HEADER
+from kvfleet.gateway.envoy_endpoints import envoy_address
+
+# The protocol's names: where the picker's list goes (and the header of the same name), where the proxy's subset is.
+DESTINATION_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE, SUBSET_KEY = "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset"
 
 # Client credentials for the gateway never reach an engine; the engines' own token replaces them.
 _CLIENT_CREDENTIALS = (headers.AUTHORIZATION, headers.API_KEY)
@@ -36,15 +44,34 @@ def immediate(err: APIError, request_id: str) -> pb.ProcessingResponse:
         body=json.dumps(err.body()).encode()))
 
 
-def route_to(url: str, body: bytes | None, engine_api_key: str | None) -> pb.ProcessingResponse:
-    """The body phase's answer: go to this engine (host:port), with the engines' token and maybe a new body."""
-    set_headers = [_set(DESTINATION_HEADER, url.split("://", 1)[-1].rstrip("/"))]
+def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The endpoints (`ip:port`, or `ip` for any port) the proxy allows for this request, from the first message's
+    metadata; None when it sent no hint. A list of strings or one comma-separated string, as proxies send either."""
+    namespace = request.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if namespace is None or SUBSET_KEY not in namespace.fields:
+        return None
+    value = namespace.fields[SUBSET_KEY]
+    items = [v.string_value for v in value.list_value.values] if value.HasField("list_value") else [
+        value.string_value]
+    return frozenset(entry.strip() for item in items for entry in item.split(",") if entry.strip())
+
+
+def route_to(urls: Sequence[str], body: bytes | None, engine_api_key: str | None) -> pb.ProcessingResponse:
+    """The body phase's answer: go to these engines in order (the chosen one, then the fallback Envoy retries on),
+    with the engines' token and maybe a new body. The list goes in the destination header, which Envoy's
+    override-host policy reads, and, the same, in `envoy.lb` metadata, as the protocol asks."""
+    destinations = ",".join(envoy_address(url) for url in urls)
+    set_headers = [_set(DESTINATION_HEADER, destinations)]
     remove = list(_CLIENT_CREDENTIALS)
     if engine_api_key:
         set_headers.append(_set(headers.AUTHORIZATION, f"Bearer {engine_api_key}"))
         remove.remove(headers.AUTHORIZATION)
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers, remove_headers=remove))
+    # the route is chosen again from the new header: with a fallback, it is the route that retries
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers, remove_headers=remove),
+                               clear_route_cache=True)
     if body is not None:
         common.body_mutation.body = body
         common.header_mutation.set_headers.append(_set("content-length", str(len(body))))
-    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+    metadata = Struct()  # set field by field: Struct.update from dicts costs more than twice as much
+    metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = destinations
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)

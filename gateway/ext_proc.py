@@ -6,7 +6,9 @@ priority header pass), then its buffered body. The picker runs the same decision
 (Gateway.admit_request: schema, limits, priority, admission, the fleet queue) and answers with the chosen engine in
 `x-gateway-destination-endpoint` (and a rewritten body when the trust rule changed it), or with an immediate
 OpenAI error (400, 401, 429, 503 with Retry-After). A queued request is a stream the picker holds; the stream ends
-when Envoy has finished the HTTP request, which is when the engine's in-flight count drops. No token passes here.
+when Envoy has finished the HTTP request, which is when the engine's in-flight count drops. No token passes here,
+unless an Inference Extension gateway chose to stream the response through its picker (gateway/ext_proc_modes.py:
+the modes other gateways configure, such as FULL_DUPLEX_STREAMED).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 from collections.abc import Mapping
 
 import grpc
+from envoy.service.accesslog.v3.als_pb2_grpc import add_AccessLogServiceServicer_to_server
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     ExternalProcessorServicer,
@@ -28,16 +31,30 @@ from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.priority import DEFAULT_PRIORITY, parse_priority
 from kvfleet.gateway.app import Gateway, request_id_from
 from kvfleet.gateway.envoy_config import PICKER_MARGIN_S
-from kvfleet.gateway.envoy_messages import header_map, immediate, route_to
+from kvfleet.gateway.envoy_endpoints import pick_destinations
+from kvfleet.gateway.envoy_feed import EnvoyFeed
+from kvfleet.gateway.envoy_messages import header_map, immediate, route_to, subset_hint
+from kvfleet.gateway.ext_proc_modes import (
+    OWN,
+    Modes,
+    StreamedBody,
+    answer_after_route,
+    modes_of,
+    read_streamed_body,
+    refuse_unroutable,
+    streamed_route,
+)
 
 log = logging.getLogger("kvfleet.gateway.picker")
+_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())  # the headers phase's answer, built once
 
 
 class EndpointPicker(ExternalProcessorServicer):
     """One Envoy stream per request; the decisions are the gateway's own."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, feed: EnvoyFeed | None = None) -> None:
         self.gateway = gateway
+        self.feed = feed  # settles, counts and judges each routed request from Envoy's access log entry
 
     async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 (gRPC's name)
         first = await context.read()
@@ -46,35 +63,47 @@ class EndpointPicker(ExternalProcessorServicer):
         request_headers = header_map(first.request_headers)
         request_id = request_id_from(request_headers.get(headers.REQUEST_ID))
         priority = DEFAULT_PRIORITY
+        modes = modes_of(first)
         url: str | None = None
         try:
+            refuse_unroutable(modes)
             try:
                 priority = parse_priority(request_headers.get(headers.PRIORITY))
             except ValueError as err:
                 raise APIError(400, str(err), param=headers.PRIORITY) from None
-            url = await self._decide(context, request_headers, priority, first.request_headers.end_of_stream)
+            url = await self._decide(context, request_headers, priority, first.request_headers.end_of_stream,
+                                     subset_hint(first), modes)
         except APIError as err:
             if err.status != 499:  # a client that left is answered by nobody
                 await context.write(immediate(err, request_id))
-            self.gateway.metrics.requests.labels(priority.value, str(err.status)).inc()
+            metrics = self.gateway.metrics
+            metrics.labelled(metrics.requests, priority.value, str(err.status)).inc()
             return
-        self.gateway.metrics.requests.labels(priority.value, "200").inc()
-        try:
-            while await context.read() is not grpc.aio.EOF:  # Envoy closes the stream when the request is done
-                pass
+        if self.feed is None:  # else counted with the answer's real status from Envoy's entry
+            self.gateway.metrics.labelled(self.gateway.metrics.requests, priority.value, "200").inc()
+        try:  # Envoy closes the stream when the request is done; our own Envoy sends nothing more before that
+            while (message := await context.read()) is not grpc.aio.EOF:
+                answer = answer_after_route(message, modes)
+                if answer is not None:
+                    await context.write(answer)
         finally:
             self.gateway.pool.record_done(url, None)
 
     async def _decide(self, context: grpc.aio.ServicerContext, request_headers: Mapping[str, str],
-                      priority, no_body: bool) -> str:
+                      priority, no_body: bool, subset: frozenset[str] | None = None, modes: Modes = OWN) -> str:
         gateway = self.gateway
         left = asyncio.Event()
         context.add_done_callback(lambda _: left.set())
+        streamed = StreamedBody()
 
         async def read_body() -> bytes:
+            nonlocal streamed
             if no_body:  # Envoy sends no body message for an empty body: the schema refuses it as the proxy does
                 return b""
-            await context.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
+            if modes.duplex:  # the headers phase waits for its answer until the route is known
+                streamed = await read_streamed_body(context, gateway.config.max_body_bytes)
+                return streamed.body
+            await context.write(_CONTINUE)
             message = await context.read()
             if message is grpc.aio.EOF:
                 raise APIError(499, "the client closed the connection", code="client_closed")
@@ -89,26 +118,50 @@ class EndpointPicker(ExternalProcessorServicer):
                 override_message_timeout=Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9))))
 
         path = request_headers.get(":path", "").split("?", 1)[0]
-        admitted = await gateway.admit_request(path, request_headers, read_body, priority, is_disconnected, on_queue)
-        if admitted.settlement is not None:
-            admitted.settlement.abandoned()  # Envoy relays the answer: its token count is not seen here (yet)
-        url = gateway.forwarder.choose(admitted.hashes, must=admitted.released)
+        admitted = await gateway.admit_request(path, request_headers, read_body, priority, is_disconnected, on_queue,
+                                               stream_usage=self.feed is not None)
+        urls = pick_destinations(gateway.forwarder, admitted.hashes, admitted.released, subset)
+        url = urls[0] if urls else None  # the chosen engine; the rest are Envoy's fallbacks
         if url is None:
+            if admitted.settlement is not None:
+                admitted.settlement.refund()  # nothing will be generated, as the Python proxy refunds
             raise APIError(503, "no engine is available; retry later", "service_unavailable", code="no_engine",
                            headers={headers.RETRY_AFTER: "1"})
         gateway.pool.record_dispatch(url)
-        gateway.metrics.routed.labels(url).inc()
+        gateway.metrics.labelled(gateway.metrics.routed, url).inc()
         if admitted.hashes:
             gateway.prefix.record(admitted.hashes, url)
-        await context.write(route_to(url, admitted.body if admitted.changed else None,
-                                     gateway.config.engine_api_key))
+        message = route_to(urls, admitted.body if admitted.changed else None, gateway.config.engine_api_key)
+        if self.feed is not None:  # the ticket Envoy's access log entry brings back with the answer's usage
+            ticket, metadata = self.feed.expect(priority.value, admitted.settlement)
+            message.dynamic_metadata.MergeFrom(metadata)  # beside the envoy.lb namespace route_to may set
+            context.add_done_callback(lambda _: self.feed.closed(ticket))
+        elif admitted.settlement is not None:
+            admitted.settlement.abandoned()  # no access log comes back (a foreign Envoy): keep the reservation
+        if modes.duplex:
+            body = admitted.body if admitted.changed else streamed.body
+            for answer in streamed_route(message, body, streamed.trailers):
+                await context.write(answer)
+        else:
+            await context.write(message)
         return url
 
 
-async def start_picker(gateway: Gateway, port: int) -> grpc.aio.Server:
-    """The picker's gRPC server on loopback (Envoy is its only client)."""
-    server = grpc.aio.server()
-    add_ExternalProcessorServicer_to_server(EndpointPicker(gateway), server)
+def picker_server(gateway: Gateway) -> grpc.aio.Server:
+    """A gRPC server whose messages fit a whole request body: the body phase carries up to the gateway's body limit
+    each way (gRPC's default 4 MiB would fail a 6 MiB prompt's stream, and Envoy would answer 503, not the 400 or
+    the route the picker means)."""
+    size = gateway.config.max_body_bytes + 1024 * 1024  # the body, its headers and metadata
+    return grpc.aio.server(options=[("grpc.max_receive_message_length", size),
+                                    ("grpc.max_send_message_length", size)])
+
+
+async def start_picker(gateway: Gateway, port: int, feed: EnvoyFeed | None = None) -> grpc.aio.Server:
+    """The picker's gRPC server on loopback (Envoy is its only client), with Envoy's access log service."""
+    server = picker_server(gateway)
+    add_ExternalProcessorServicer_to_server(EndpointPicker(gateway, feed), server)
+    if feed is not None:
+        add_AccessLogServiceServicer_to_server(feed, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kvfleet_gateway_requests", "Requests answered, by class and HTTP status",
                                 ["priority", "code"], registry=r)
@@ -32,3 +34,12 @@ class GatewayMetrics:
         self.redis_up = Gauge("kvfleet_gateway_redis_up",
                               "1 while the fleet queue is in Redis, 0 while this replica queues in-process",
                               registry=r)
+
+    def labelled(self, metric: MetricWrapperBase, *values: str) -> MetricWrapperBase:
+        """`metric.labels(*values)`, looked up once: labels() takes a lock and checks its arguments on every call,
+        a cost on each request's path. Label sets here are few (classes, codes, engines) and never removed."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child

@@ -22,6 +22,11 @@ def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30
 
         _say_serving(config, host, port)
         return asyncio.run(serve_with_envoy(gateway, host, port, drain_timeout))
+    if config.data_plane in ("envoy-sidecar", "picker"):
+        from kvfleet.gateway.picker_mode import serve_picker_only
+
+        _say_serving(config, host, port)
+        return asyncio.run(serve_picker_only(gateway, host, port, drain_timeout))
     server = uvicorn.Server(server_config(build_app(gateway), host, port, drain_timeout, config.http_limits,
                                                  backlog=4096))
     _say_serving(config, host, port)

@@ -40,6 +40,22 @@ class HttpLimits:
         if self.max_connections < 1:
             raise ValueError("--max-connections must be >= 1")
 
+    # What a client is told when it meets a limit, one wording for every data plane (the Python front and Envoy):
+    # (status, message, code).
+    def too_many_headers(self) -> tuple[int, str, str]:
+        return 431, f"the request has more than {self.max_header_count} headers; send fewer", "too_many_headers"
+
+    def headers_too_large(self) -> tuple[int, str, str]:
+        return (431, f"the request headers are over {self.max_header_bytes} bytes; send fewer or shorter headers",
+                "request_headers_too_large")
+
+    def head_too_slow(self) -> tuple[int, str, str]:
+        return 408, f"the request headers did not arrive within {self.header_timeout_s:g} s", "request_timeout"
+
+    def too_many_connections(self) -> tuple[int, str, str]:
+        return (503, f"this server has {self.max_connections} connections open, its limit; retry shortly",
+                "too_many_connections")
+
 
 def error_bytes(status: int, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 answer in OpenAI's error shape that closes the connection."""
@@ -107,8 +123,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             # All of this chunk belongs to a head that is still incomplete: the parser buffers it.
             self._head_bytes += len(data)
             if self._head_bytes > self.limits.max_header_bytes:
-                self._refuse(431, f"the request headers are over {self.limits.max_header_bytes} bytes; send fewer "
-                                  "or shorter headers", "request_headers_too_large")
+                self._refuse(*self.limits.headers_too_large())
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -117,15 +132,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_count += 1
         if self._head_count > self.limits.max_header_count:
-            self._refusal = (431, f"the request has more than {self.limits.max_header_count} headers; send fewer",
-                             "too_many_headers")
+            self._refusal = self.limits.too_many_headers()
             raise _HeadRefused
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         if len(self.connections) > self.limits.max_connections:  # uvicorn's own cap answers in plain text
-            self._refusal = (503, f"this server has {self.limits.max_connections} connections open, its limit; "
-                                  "retry shortly", "too_many_connections")
+            self._refusal = self.limits.too_many_connections()
             raise _HeadRefused
         self._in_head, self._head_bytes = False, 0
         self._heads_done += 1
@@ -143,8 +156,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.cycle is not None and not self.cycle.response_complete:
             self.transport.close()  # an answer is still being written: no room for ours
             return
-        self._refuse(408, f"the request headers did not arrive within {self.limits.header_timeout_s:g} s",
-                     "request_timeout")
+        self._refuse(*self.limits.head_too_slow())
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         self._cancel_head_timer()

@@ -138,13 +138,16 @@ def parse_json(raw: bytes) -> object:
 
 
 def check_json_value(value: object) -> None:
-    """Refuse nesting deeper than MAX_JSON_DEPTH and text with lone surrogates, naming where (iterative, cheap)."""
-    stack: list[tuple[object, tuple, int]] = [(value, (), 1)]
+    """Refuse nesting deeper than MAX_JSON_DEPTH and text with lone surrogates, naming where (iterative, cheap: it
+    runs on every request; ASCII text cannot hold a surrogate and is not visited, and a path is only built for the
+    error)."""
+    stack: list[_Visit] = [(value, None, None, 1)]
     while stack:
-        item, path, depth = stack.pop()
+        visit = stack.pop()
+        item, _, _, depth = visit
         if isinstance(item, str):
             if not item.isascii() and _SURROGATE.search(item):
-                param = _dotted(path)
+                param = _dotted(_path(visit))
                 raise RequestSchemaError(
                     f"{param or 'body'}: contains a lone UTF-16 surrogate (such as \\ud800), which is not valid "
                     "Unicode text; send valid UTF-8 text", param)
@@ -152,16 +155,28 @@ def check_json_value(value: object) -> None:
         if not isinstance(item, dict | list):
             continue
         if depth > MAX_JSON_DEPTH:
-            param = _dotted(path[:1]) or None
+            param = _dotted(_path(visit)[:1]) or None
             raise RequestSchemaError(f"{param or 'body'}: nests deeper than {MAX_JSON_DEPTH} levels; flatten it",
                                      param)
         entries = item.items() if isinstance(item, dict) else enumerate(item)
         for key, child in entries:
             if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
                 raise RequestSchemaError("a field name contains a lone UTF-16 surrogate; send valid UTF-8 text",
-                                         _dotted(path))
-            if isinstance(child, str | dict | list):
-                stack.append((child, (*path, key), depth + 1))
+                                         _dotted(_path(visit)))
+            if isinstance(child, dict | list) or (isinstance(child, str) and not child.isascii()):
+                stack.append((child, visit, key, depth + 1))
+
+
+_Visit = tuple[object, "_Visit | None", object, int]  # a value, the visit of its container, its key there, its depth
+
+
+def _path(visit: _Visit) -> tuple:
+    """The keys from the body down to a visited value."""
+    keys = []
+    while visit[1] is not None:
+        keys.append(visit[2])
+        visit = visit[1]
+    return tuple(reversed(keys))
 
 
 def validate_request(path: str, body: object) -> SamplingRequest:
