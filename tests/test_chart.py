@@ -33,9 +33,10 @@ DOCKERFILES = sorted((ROOT / "docker").glob("Dockerfile.*"))
 RELEASE, NAMESPACE = "kv", "llm"
 # The Kubernetes version the manifests are rendered for and validated against (the chart needs >= 1.29).
 KUBE_VERSION = "1.33.0"
-# Kinds from CRDs that kubernetes-validate has no schema for; checked by test_service_monitors_scrape_real_ports
-# and the alert-rule tests.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+# Kinds from CRDs that kubernetes-validate has no schema for; checked by test_service_monitors_scrape_real_ports,
+# the alert-rule tests, and against the upstream CRDs' schemas in tests/test_chart_gateway_modes.py.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
+             ("inference.networking.k8s.io/v1", "InferencePool"), ("gateway.networking.k8s.io/v1", "HTTPRoute")}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 
 
@@ -105,7 +106,8 @@ ids = [f.stem for f in VALUES_FILES]
 
 
 def test_the_ci_values_files_cover_the_options() -> None:
-    assert {"default-values", "cluster-wide-values", "external-redis-values", "gpu-values"} <= set(ids)
+    assert {"default-values", "cluster-wide-values", "external-redis-values", "gpu-values", "envoy-mode-values",
+            "inference-pool-values"} <= set(ids)
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=ids)
@@ -157,7 +159,11 @@ def test_every_container_is_hardened_and_sized(values_file: Path) -> None:
             assert (sc.get("seccompProfile") or {}).get("type") == "RuntimeDefault", at
             for part in ("requests", "limits"):
                 assert {"cpu", "memory"} <= set(c.get("resources", {}).get(part, {})), f"{at}: resources.{part}"
-            assert c.get("readinessProbe") and c.get("livenessProbe"), f"{at}: probes"
+            if c in spec.get("initContainers", []) and c.get("restartPolicy") != "Always":
+                # a run-to-completion init container may have no probes (the API server refuses them)
+                assert not any(c.get(p) for p in ("readinessProbe", "livenessProbe", "startupProbe")), at
+            else:
+                assert c.get("readinessProbe") and c.get("livenessProbe"), f"{at}: probes"
             assert_pinned(c["image"], at)
             mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
             assert set(mounts.values()) <= volumes, f"{at}: mounts a volume the pod lacks"
@@ -244,7 +250,12 @@ def test_probes_hit_the_ports_the_processes_listen_on() -> None:
     ports = {p["name"]: p["containerPort"] for p in op["ports"]}
     assert f":{ports['health']}/healthz" in args.liveness and ports["metrics"] == args.metrics_port
     assert op["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-    gw = container(docs, "gateway")
+    gw = container(render(CHART / "ci" / "envoy-mode-values.yaml"), "gateway")  # Envoy serves `http`, the
+    args, _ = parse_cli(gw)  # gateway its own port beside it
+    assert gw["ports"] == [{"name": "app", "containerPort": args.port, "protocol": "TCP"}]
+    assert gw["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "app"}
+    assert gw["livenessProbe"]["httpGet"] == {"path": "/health", "port": "app"}
+    gw = container(docs, "gateway")  # python mode, the default
     args, _ = parse_cli(gw)
     assert gw["ports"] == [{"name": "http", "containerPort": args.port, "protocol": "TCP"}]
     assert gw["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
@@ -438,6 +449,11 @@ def test_engine_pods_admit_only_the_gateway_the_operator_and_prometheus(values_f
         [rule] = spec["ingress"]
         assert rule["ports"] == [{"port": "http", "protocol": "TCP"}] and len(http) == 1
         *components, prometheus = peers(rule)
+        if (values.get("gateway") or {}).get("mode") == "inferencePool":
+            # and the Inference-Extension Gateway's proxies, which carry the requests the picker routes
+            assert components.pop() == ({"matchLabels": {"kubernetes.io/metadata.name": "gateways"}},
+                                        {"matchLabels": {"gateway.networking.k8s.io/gateway-name":
+                                                         "inference-gateway"}})
         assert len(components) == len(admitted)
         for (ns_selector, pod_selector), component in zip(components, admitted, strict=True):
             assert ns_selector == release_ns  # the gateway and the operator run in the release namespace

@@ -170,3 +170,75 @@ seccompProfile:
 {{- $namespaces = append $namespaces (include "kvfleet.gateway.fleetNamespace" .) -}}
 {{- $namespaces | uniq | join "," -}}
 {{- end -}}
+
+{{/* The gateway's mode (values gateway.mode): envoy, python or inferencePool; checks what a mode needs. */}}
+{{- define "kvfleet.gateway.mode" -}}
+{{- $g := .Values.gateway -}}
+{{- if and (eq $g.mode "inferencePool") (ne (include "kvfleet.gateway.fleetNamespace" .) .Release.Namespace) -}}
+{{- fail "gateway.mode=inferencePool needs the fleet in the release namespace (gateway.fleetNamespace empty): an InferencePool selects pods of its own namespace and names a picker Service there" -}}
+{{- end -}}
+{{- if and (eq $g.mode "envoy") (ge (int $g.envoy.drainSeconds) (int $g.terminationGracePeriodSeconds)) -}}
+{{- fail "gateway.envoy.drainSeconds must be shorter than gateway.terminationGracePeriodSeconds" -}}
+{{- end -}}
+{{- $g.mode -}}
+{{- end -}}
+
+{{/* Where the envoy mode's init container writes Envoy's bootstrap and the gateway keeps the engines' EDS file
+(a folder of its own, which Envoy watches): one emptyDir that the three containers share. */}}
+{{- define "kvfleet.gateway.envoyDir" -}}/etc/kvfleet-envoy{{- end -}}
+
+{{/* `kvfleet gateway` flags of the mode, shared word for word by the gateway container and, in envoy mode, the
+init container that writes Envoy's bootstrap from them (gateway/envoy_sidecar.py); the Redis URL is added by the
+gateway container alone (the bootstrap needs no secret). */}}
+{{- define "kvfleet.gateway.flags" -}}
+{{- $g := .Values.gateway -}}
+{{- $mode := include "kvfleet.gateway.mode" . -}}
+- --host=0.0.0.0
+{{- if eq $mode "envoy" }}
+- --data-plane=envoy-sidecar
+- --port={{ $g.appPort }}
+- --picker-port={{ $g.pickerPort }}
+- --envoy-endpoints-file={{ include "kvfleet.gateway.envoyDir" . }}/engines/engines.json
+{{- else if eq $mode "inferencePool" }}
+- --data-plane=picker
+- --port={{ $g.port }}
+- --picker-port={{ $g.pickerPort }}
+{{- else }}
+- --data-plane=python
+- --port={{ $g.port }}
+{{- end }}
+- --fleet={{ $g.fleet }}
+# The engine pods the operator creates for the fleet carry this label (operator/manifests.py).
+- --k8s-namespace={{ include "kvfleet.gateway.fleetNamespace" . }}
+- --k8s-selector=kvfleet.io/fleet={{ $g.fleet }}
+- --routing={{ $g.routing }}
+- --max-queue-ms={{ $g.maxQueueMs }}
+{{- with $g.queueCaps }}
+- --queue-caps={{ . }}
+{{- end }}
+{{- with $g.apiKeysSecret }}
+- --api-keys-secret={{ include "kvfleet.gateway.fleetNamespace" $ }}/{{ . }}
+{{- end }}
+{{- range $g.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The Inference-Extension Gateway's proxy pods (a NetworkPolicy peer): the given selectors, else the pods of
+the Gateway named by gatewayRef (Gateway API's gateway.networking.k8s.io/gateway-name label) in its namespace. */}}
+{{- define "kvfleet.inferencePool.gatewayPeer" -}}
+{{- $ip := .Values.gateway.inferencePool -}}
+{{- if $ip.gatewayPods -}}
+namespaceSelector:
+  {{- toYaml ($ip.gatewayPods.namespaceSelector | default dict) | nindent 2 }}
+podSelector:
+  {{- toYaml ($ip.gatewayPods.podSelector | default dict) | nindent 2 }}
+{{- else -}}
+namespaceSelector:
+  matchLabels:
+    kubernetes.io/metadata.name: {{ default .Release.Namespace $ip.gatewayRef.namespace }}
+podSelector:
+  matchLabels:
+    gateway.networking.k8s.io/gateway-name: {{ $ip.gatewayRef.name }}
+{{- end -}}
+{{- end -}}
