@@ -235,7 +235,11 @@ class Gateway:
         if has_capacity:
             self.poke()
         started = time.monotonic()
-        outcome = await self.queue.wait(entry, is_disconnected)
+        try:
+            outcome = await self.queue.wait(entry, is_disconnected)
+        except asyncio.CancelledError:  # the picker's stream was reset: its client left while queued
+            self.metrics.shed.labels(priority.value, "disconnected").inc()
+            raise
         self.metrics.queue_wait.labels(priority.value).observe(time.monotonic() - started)
         if outcome is Outcome.EXPIRED:
             self.metrics.shed.labels(priority.value, "deadline").inc()

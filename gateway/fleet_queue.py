@@ -9,6 +9,7 @@ restart) and removes this replica's orphans.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -141,7 +142,15 @@ class FleetQueue:
         watcher = asyncio.create_task(_watch_disconnect(is_disconnected))
         try:
             timeout = max(0.0, (entry.deadline_ms - now_ms()) / 1000.0)
-            done, _ = await asyncio.wait({granted, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait({granted, watcher}, timeout=timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                # the waiter itself was cancelled (the picker's gRPC stream reset when Envoy's client left): the
+                # entry must not stay queued, holding a place and later a release, for nobody
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._remove(entry.id))
+                raise
             if granted.done():
                 return Outcome.GRANTED
             outcome = Outcome.DISCONNECTED if watcher in done else Outcome.EXPIRED

@@ -140,6 +140,29 @@ def test_a_client_that_gives_up_leaves_the_queue_at_once(engine, model, gateways
         assert 'kvfleet_gateway_shed_total{priority="critical",reason="disconnected"} 1.0' in metrics
 
 
+def test_through_envoy_a_client_that_gives_up_leaves_the_queue_at_once(engine, model, redis_server_module,
+                                                                       queued) -> None:
+    """Behind Envoy the queued request is the picker's held gRPC stream: when the client leaves, Envoy resets it and
+    the entry must leave Redis at once and count as shed, not wait there for a release nobody takes."""
+    proc, url = start_gateway("--engine", engine, "--redis-url", redis_server_module.url, "--fleet", FLEET,
+                              "--saturation-queue", "1", "--data-plane", "envoy", timeout=90.0)
+    try:
+        wait_until_routable(url)
+        results: dict = {}
+        with saturated(engine, model):
+            t = threading.Thread(target=send, args=(url, model, "critical", results, "impatient"),
+                                 kwargs={"timeout": 1.5})
+            t.start()
+            until(lambda: queued() == 1, "the request never queued")
+            t.join()
+            assert isinstance(results["impatient"][0], httpx.TimeoutException)
+            until(lambda: queued() == 0, "the abandoned request stayed in the queue", timeout=1.0)
+            until(lambda: 'kvfleet_gateway_shed_total{priority="critical",reason="disconnected"} 1.0'
+                  in httpx.get(f"{url}/metrics").text, "the abandoned request was not counted as shed", timeout=2.0)
+    finally:
+        stop_process(proc)
+
+
 def test_a_full_class_queue_answers_429_and_other_classes_still_queue(engine, model, gateways, queued) -> None:
     results: dict = {}
     threads = [threading.Thread(target=send, args=(gateways[i % 2], model, "standard", results, f"s{i}"))
