@@ -161,7 +161,9 @@ def build_bootstrap(config: GatewayConfig, host: str, port: int, picker_port: in
                                          "idle_timeout": "75s", "headers_with_underscores_action": "ALLOW"},
         "request_headers_timeout": _seconds(limits.header_timeout_s),
         "stream_idle_timeout": _seconds(config.upstream_idle_timeout_s),
-        "preserve_external_request_id": True,
+        # the request id is the gateway's rule (the client's when short and printable, else a new one: the picker
+        # sets it), not a UUID Envoy would make before the picker sees the request
+        "preserve_external_request_id": True, "generate_request_id": False,
         "always_set_request_id_in_response": True,
         "access_log": [usage_access_log(PICKER_CLUSTER)],  # each routed request's status and usage to the picker
         "local_reply_config": local_reply_config(config),  # Envoy's own answers as OpenAI errors

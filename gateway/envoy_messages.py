@@ -56,12 +56,16 @@ def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
     return frozenset(entry.strip() for item in items for entry in item.split(",") if entry.strip())
 
 
-def route_to(urls: Sequence[str], body: bytes | None, engine_api_key: str | None) -> pb.ProcessingResponse:
+def route_to(urls: Sequence[str], body: bytes | None, engine_api_key: str | None,
+             request_id: str | None = None) -> pb.ProcessingResponse:
     """The body phase's answer: go to these engines in order (the chosen one, then the fallback Envoy retries on),
-    with the engines' token and maybe a new body. The list goes in the destination header, which Envoy's
-    override-host policy reads, and, the same, in `envoy.lb` metadata, as the protocol asks."""
+    with the engines' token, the gateway's request id (the client's when short and printable, as the Python proxy
+    keeps it; Envoy answers with the id the request carries) and maybe a new body. The list goes in the destination
+    header, which Envoy's override-host policy reads, and, the same, in `envoy.lb` metadata, as the protocol asks."""
     destinations = ",".join(envoy_address(url) for url in urls)
     set_headers = [_set(DESTINATION_HEADER, destinations)]
+    if request_id is not None:
+        set_headers.append(_set(headers.REQUEST_ID, request_id))
     remove = list(_CLIENT_CREDENTIALS)
     if engine_api_key:
         set_headers.append(_set(headers.AUTHORIZATION, f"Bearer {engine_api_key}"))

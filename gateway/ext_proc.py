@@ -72,7 +72,7 @@ class EndpointPicker(ExternalProcessorServicer):
             except ValueError as err:
                 raise APIError(400, str(err), param=headers.PRIORITY) from None
             url = await self._decide(context, request_headers, priority, first.request_headers.end_of_stream,
-                                     subset_hint(first), modes)
+                                     subset_hint(first), modes, request_id)
         except APIError as err:
             if err.status != 499:  # a client that left is answered by nobody
                 await context.write(immediate(err, request_id))
@@ -90,7 +90,8 @@ class EndpointPicker(ExternalProcessorServicer):
             self.gateway.pool.record_done(url, None)
 
     async def _decide(self, context: grpc.aio.ServicerContext, request_headers: Mapping[str, str],
-                      priority, no_body: bool, subset: frozenset[str] | None = None, modes: Modes = OWN) -> str:
+                      priority, no_body: bool, subset: frozenset[str] | None = None, modes: Modes = OWN,
+                      request_id: str | None = None) -> str:
         gateway = self.gateway
         left = asyncio.Event()
         context.add_done_callback(lambda _: left.set())
@@ -131,7 +132,8 @@ class EndpointPicker(ExternalProcessorServicer):
         gateway.metrics.labelled(gateway.metrics.routed, url).inc()
         if admitted.hashes:
             gateway.prefix.record(admitted.hashes, url)
-        message = route_to(urls, admitted.body if admitted.changed else None, gateway.config.engine_api_key)
+        message = route_to(urls, admitted.body if admitted.changed else None, gateway.config.engine_api_key,
+                           request_id)
         if self.feed is not None:  # the ticket Envoy's access log entry brings back with the answer's usage
             ticket, metadata = self.feed.expect(priority.value, admitted.settlement)
             message.dynamic_metadata.MergeFrom(metadata)  # beside the envoy.lb namespace route_to may set

@@ -66,6 +66,17 @@ def test_a_request_the_picker_refuses_gets_an_openai_error_from_envoy(envoy_gate
     assert error["param"] == param and error["message"]
 
 
+def test_the_request_id_is_the_clients_when_sane_else_the_gateways(envoy_gateway, model) -> None:
+    """The same rule as the Python proxy: a short printable x-request-id is kept, anything else is replaced."""
+    url, _ = envoy_gateway
+    body = {"model": model, "prompt": "hi", "max_tokens": 2}
+    given = httpx.post(f"{url}/v1/completions", json=body, headers={"x-request-id": "trace-123"}, timeout=30)
+    assert given.status_code == 200 and given.headers["x-request-id"] == "trace-123"
+    for sent in ({}, {"x-request-id": "x" * 300}):
+        made = httpx.post(f"{url}/v1/completions", json=body, headers=sent, timeout=30)
+        assert made.status_code == 200 and len(made.headers["x-request-id"]) == 32, made.headers
+
+
 def test_the_gateways_own_routes_answer_through_envoy(envoy_gateway) -> None:
     url, _ = envoy_gateway
     ready = httpx.get(f"{url}/ready", timeout=10)
