@@ -45,13 +45,13 @@ log = logging.getLogger("kvfleet.gateway")
 @dataclass(frozen=True)
 class Admitted:
     """A request the gateway let through: the body to send (rewritten when `changed`), its prompt's block hashes,
-    the token reservation to settle, and whether it waited in the queue (then it must go somewhere)."""
+    and the token reservation to settle. It goes to an engine even if they all look saturated by the time it is
+    routed: the fleet had room when it was admitted, or it was released from the queue."""
 
     body: bytes
     changed: bool
     hashes: list[bytes]
     settlement: Settlement | None
-    released: bool
 
 
 @dataclass
@@ -164,8 +164,7 @@ class Gateway:
         settlement = admitted.settlement
         try:
             response = await unless_client_leaves(request.receive, self.forwarder.forward(
-                path, admitted.body, request.headers.raw, request_id, admitted.hashes, admitted.released,
-                on_tokens=settlement))
+                path, admitted.body, request.headers.raw, request_id, admitted.hashes, on_tokens=settlement))
         except BaseException as err:
             if settlement is not None and isinstance(err, APIError) and err.status == 499:
                 settlement.abandoned()  # the engine worked for a client that left: its count is unknown
@@ -215,8 +214,7 @@ class Gateway:
                             self.config.queue_caps[priority])
             if verdict.action is Action.SHED:
                 raise self._shed(priority, verdict.reason, verdict.message)
-            released = verdict.action is Action.QUEUE
-            if released:
+            if verdict.action is Action.QUEUE:
                 if on_queue is not None:
                     await on_queue(max_queue_ms)
                 await self._wait_in_queue(is_disconnected, priority, max_queue_ms, has_capacity)
@@ -224,7 +222,7 @@ class Gateway:
             if settlement is not None:
                 settlement.refund()  # refused, shed or timed out in the queue: nothing was generated
             raise
-        return Admitted(raw, changed, hashes, settlement, released)
+        return Admitted(raw, changed, hashes, settlement)
 
     async def _wait_in_queue(self, is_disconnected: Callable[[], Awaitable[bool]], priority: Priority,
                              max_queue_ms: float, has_capacity: bool) -> None:

@@ -121,7 +121,7 @@ class EndpointPicker(ExternalProcessorServicer):
         path = request_headers.get(":path", "").split("?", 1)[0]
         admitted = await gateway.admit_request(path, request_headers, read_body, priority, is_disconnected, on_queue,
                                                stream_usage=self.feed is not None)
-        urls = pick_destinations(gateway.forwarder, admitted.hashes, admitted.released, subset)
+        urls = pick_destinations(gateway.forwarder, admitted.hashes, subset)
         url = urls[0] if urls else None  # the chosen engine; the rest are Envoy's fallbacks
         if url is None:
             if admitted.settlement is not None:

@@ -80,7 +80,7 @@ class Forwarder:
         return chosen.url if chosen else None
 
     async def forward(self, path: str, raw_body: bytes, headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str],
-                      request_id: str, hashes: list[bytes], released: bool,
+                      request_id: str, hashes: list[bytes],
                       on_tokens: Settlement | None) -> Response:
         """Sends to the chosen engine; an engine fault or a busy answer is retried once elsewhere, an answer the
         request caused (4xx, unmarked 5xx) is returned as it is."""
@@ -88,7 +88,10 @@ class Forwarder:
         last_busy: tuple[str, httpx.Response, bytes] | None = None
         last_error = "no engine is available"
         for attempt in range(2):
-            url = self.choose(hashes, frozenset(tried), must=released or attempt > 0)
+            # must: the request was admitted because the fleet had room (or released from the queue, or this is a
+            # retry); requests admitted together can fill it before their picks, and then the least-loaded healthy
+            # engine queues the request itself rather than the client getting 503 `no_engine`
+            url = self.choose(hashes, frozenset(tried), must=True)
             if url is None:
                 break
             tried.add(url)

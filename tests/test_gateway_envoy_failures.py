@@ -168,7 +168,7 @@ def _with_subset(value) -> pb.ProcessingRequest:
 
 def test_the_picker_names_the_best_engine_then_the_next_best_in_header_and_metadata() -> None:
     forwarder = _forwarder("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
-    urls = pick_destinations(forwarder, [], must=False)
+    urls = pick_destinations(forwarder, [])
     assert urls == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
     message = route_to(urls, None, None)
     [header] = [h.header for h in message.request_body.response.header_mutation.set_headers
@@ -198,7 +198,7 @@ def test_engines_are_named_by_address_as_envoy_names_its_hosts() -> None:
 def test_the_picker_picks_only_within_the_proxys_subset_hint(hint, expected) -> None:
     forwarder = _forwarder("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
     subset = subset_hint(_with_subset(hint))
-    assert pick_destinations(forwarder, [], must=True, subset=subset) == expected
+    assert pick_destinations(forwarder, [], subset=subset) == expected
     assert subset_hint(pb.ProcessingRequest(request_headers=pb.HttpHeaders())) is None  # no hint: the whole pool
 
 
