@@ -22,7 +22,7 @@ from kvfleet.gateway.app import Gateway, build_app
 from kvfleet.gateway.envoy_config import build_bootstrap
 from kvfleet.gateway.envoy_endpoints import EndpointsFile
 from kvfleet.gateway.envoy_feed import EnvoyFeed
-from kvfleet.gateway.ext_proc import start_picker
+from kvfleet.gateway.picker_mode import start_network_picker
 
 
 def envoy_binary() -> str:
@@ -74,7 +74,7 @@ async def serve_with_envoy(gateway: Gateway, host: str, port: int, drain_timeout
         envoy_binary(), "-c", str(bootstrap), "--disable-hot-restart", "--log-level", "warn",
         "--log-path", str(run_dir / "envoy.log"), preexec_fn=_die_with_parent)
     feed = EnvoyFeed(gateway.pool, gateway.metrics)  # Envoy's access log: usage, status, outcomes
-    picker = await start_picker(gateway, picker_port, feed)
+    picker, _, _ = await start_network_picker(gateway, "127.0.0.1", picker_port, feed)  # Envoy is its only client
     print(f"kvfleet gateway: Envoy serves http://{host}:{port} (picker on 127.0.0.1:{picker_port}, "
           f"Envoy log {run_dir / 'envoy.log'})", file=sys.stderr, flush=True)
     exited = asyncio.create_task(envoy.wait())

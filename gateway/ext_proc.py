@@ -18,12 +18,8 @@ import logging
 from collections.abc import Mapping
 
 import grpc
-from envoy.service.accesslog.v3.als_pb2_grpc import add_AccessLogServiceServicer_to_server
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
-    ExternalProcessorServicer,
-    add_ExternalProcessorServicer_to_server,
-)
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorServicer
 from google.protobuf.duration_pb2 import Duration
 
 from kvfleet.fleet import headers
@@ -156,14 +152,3 @@ def picker_server(gateway: Gateway) -> grpc.aio.Server:
     size = gateway.config.max_body_bytes + 1024 * 1024  # the body, its headers and metadata
     return grpc.aio.server(options=[("grpc.max_receive_message_length", size),
                                     ("grpc.max_send_message_length", size)])
-
-
-async def start_picker(gateway: Gateway, port: int, feed: EnvoyFeed | None = None) -> grpc.aio.Server:
-    """The picker's gRPC server on loopback (Envoy is its only client), with Envoy's access log service."""
-    server = picker_server(gateway)
-    add_ExternalProcessorServicer_to_server(EndpointPicker(gateway, feed), server)
-    if feed is not None:
-        add_AccessLogServiceServicer_to_server(feed, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server
