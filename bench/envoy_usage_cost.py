@@ -25,7 +25,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 
 from bench.fleet_procs import MODEL_NAME, BenchFleet
-from bench.picker_cpu import Cpu, idle_rate
+from bench.picker_cpu import Cpu, closed_loop, idle_rate
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.envoy_config import ENGINES_CLUSTER
 from kvfleet.gateway.envoy_feed import EnvoyFeed
@@ -53,24 +53,9 @@ async def _one(client: httpx.AsyncClient, url: str, key: str, i: int, max_tokens
     return chunks
 
 
-async def _run(url: str, key: str, n: int, concurrency: int, max_tokens: int) -> tuple[float, list[int]]:
-    results: list[int] = []
-    cursor = 0
-    async with httpx.AsyncClient(timeout=300.0, limits=httpx.Limits(max_connections=concurrency)) as client:
-        async def worker() -> None:
-            nonlocal cursor
-            while cursor < n:
-                i, cursor = cursor, cursor + 1
-                results.append(await _one(client, url, key, i, max_tokens))
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - started, results
-
-
 def measure(url: str, pid: int, idle: Cpu, key: str, n: int, concurrency: int, max_tokens: int) -> dict:
     before = Cpu.of(pid)
-    wall, results = asyncio.run(_run(url, key, n, concurrency, max_tokens))
+    wall, results = asyncio.run(closed_loop(n, concurrency, lambda c, i: _one(c, url, key, i, max_tokens), 300.0))
     used = Cpu.of(pid) - before
     return {"max_tokens": max_tokens, "tpm_key": key == TPM_KEY, "requests": n, "failed": sum(r < 0 for r in results),
             "req_per_s": round(n / wall, 1),
@@ -143,7 +128,7 @@ def main() -> None:
         url = fleet.start_gateway(extra=["--data-plane", "envoy", "--saturation-queue", "1000000",
                                          "--scrape-interval-ms", "2000", "--api-keys-file", str(keys)])
         pid = fleet.gateways[0].pid
-        asyncio.run(_run(url, TPM_KEY, 16, args.concurrency, 1))  # warm-up
+        asyncio.run(closed_loop(16, args.concurrency, lambda c, i: _one(c, url, TPM_KEY, i, 1)))  # warm-up
         idle = idle_rate(pid, 10.0)
         rows["idle_ms_per_s"] = {"picker": round(idle.picker * 1000, 2), "envoy": round(idle.envoy * 1000, 2)}
         rows["arms"] = []

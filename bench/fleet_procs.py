@@ -150,15 +150,20 @@ class BenchFleet:
             self.redis = None
 
 
+def own_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the process alone, not its children, so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process and its live descendants so far (Linux /proc): a gateway's Envoy counts
     as the gateway's."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return own + sum(cpu_seconds(child) for child in _children(pid))
+    return own_cpu_seconds(pid) + sum(cpu_seconds(child) for child in children(pid))
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The process's live children (Linux /proc)."""
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:

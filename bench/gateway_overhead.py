@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 import random
 import shlex
 import sys
@@ -39,7 +38,15 @@ from pathlib import Path
 import httpx
 
 from bench import peers
-from bench.fleet_procs import MODEL_NAME, BenchFleet, cpu_seconds, cpu_used, gateway_queue_waits, queue_waits_between
+from bench.fleet_procs import (
+    MODEL_NAME,
+    BenchFleet,
+    cpu_seconds,
+    cpu_used,
+    gateway_queue_waits,
+    own_cpu_seconds,
+    queue_waits_between,
+)
 from bench.loop_lag import with_loop_lag
 from bench.overhead_report import chart, failed_by_arm, format_table, summarize_arms
 from bench.overhead_targets import MAX_ADDED_P99_MS, targets
@@ -148,12 +155,6 @@ def arm_order(round_no: int, arms: tuple[str, ...] = ARMS) -> tuple[str, ...]:
     k = round_no % len(arms)
     order = arms[k:] + arms[:k]
     return order if round_no % 2 == 0 else order[::-1]
-
-
-def own_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of the process alone, not its children (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def envoy_split(fleet: BenchFleet) -> dict[str, tuple[float, float]]:

@@ -16,14 +16,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from bench.fleet_procs import MODEL_NAME, BenchFleet, gateway_queue_waits, queue_waits_between
+from bench.fleet_procs import (
+    MODEL_NAME,
+    BenchFleet,
+    children,
+    gateway_queue_waits,
+    own_cpu_seconds,
+    queue_waits_between,
+)
 
 NO_LIMIT = ["--saturation-queue", "1000000"]
 
@@ -37,27 +44,10 @@ class Cpu:
 
     @staticmethod
     def of(pid: int) -> Cpu:
-        own = _proc_cpu(pid)
-        children = sum(_proc_cpu(c) for c in _children(pid))
-        return Cpu(own, children)
+        return Cpu(own_cpu_seconds(pid), sum(own_cpu_seconds(c) for c in children(pid)))
 
     def __sub__(self, other: Cpu) -> Cpu:
         return Cpu(self.picker - other.picker, self.envoy - other.envoy)
-
-
-def _proc_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
 
 
 async def _one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int, stream: bool) -> int:
@@ -79,17 +69,18 @@ async def _one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int, str
     return tokens
 
 
-async def _run(url: str, n: int, concurrency: int, max_tokens: int, stream: bool) -> tuple[float, list[int]]:
-    """n requests from `concurrency` closed-loop clients; wall seconds and each request's token count."""
+async def closed_loop(n: int, concurrency: int, send: Callable[[httpx.AsyncClient, int], Awaitable[int]],
+                      timeout: float = 120.0) -> tuple[float, list[int]]:
+    """n requests from `concurrency` closed-loop clients, `send(client, i)` each; wall seconds and each result."""
     results: list[int] = []
     cursor = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         async def worker() -> None:
             nonlocal cursor
             while cursor < n:
                 i, cursor = cursor, cursor + 1
-                results.append(await _one(client, url, i, max_tokens, stream))
+                results.append(await send(client, i))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -99,7 +90,7 @@ async def _run(url: str, n: int, concurrency: int, max_tokens: int, stream: bool
 def measure(url: str, pid: int, idle: Cpu, n: int, concurrency: int, max_tokens: int, stream: bool) -> dict:
     """CPU ms per request of the picker's process and of Envoy, idle CPU over the same time taken out."""
     waits, before = gateway_queue_waits(url), Cpu.of(pid)
-    wall, results = asyncio.run(_run(url, n, concurrency, max_tokens, stream))
+    wall, results = asyncio.run(closed_loop(n, concurrency, lambda c, i: _one(c, url, i, max_tokens, stream)))
     used = Cpu.of(pid) - before
     queued = sum(q["queued"] for q in queue_waits_between(waits, gateway_queue_waits(url)).values())
     failed = sum(r < 0 for r in results)
@@ -133,7 +124,8 @@ def main() -> None:
     with BenchFleet(max_num_seqs=[8], max_model_len=512) as fleet:
         url = fleet.start_gateway(extra=["--data-plane", "envoy", *NO_LIMIT])
         pid = fleet.gateways[0].pid
-        asyncio.run(_run(url, 64, args.concurrency, 1, False))  # warm-up: connections, imports, Envoy's pools
+        # warm-up: connections, imports, Envoy's pools
+        asyncio.run(closed_loop(64, args.concurrency, lambda c, i: _one(c, url, i, 1, False)))
         idle = idle_rate(pid, 5.0)
         print(f"gateway pid {pid}; idle CPU: picker {idle.picker * 1000:.1f} ms/s, Envoy {idle.envoy * 1000:.1f} "
               "ms/s", flush=True)
@@ -147,7 +139,7 @@ def main() -> None:
         url = fleet.start_gateway(extra=["--data-plane", "envoy", *NO_LIMIT, "--scrape-interval-ms", "10000",
                                          "--max-metrics-age-ms", "60000"])
         pid = fleet.gateways[0].pid
-        asyncio.run(_run(url, 16, args.stream_concurrency, 1, True))
+        asyncio.run(closed_loop(16, args.stream_concurrency, lambda c, i: _one(c, url, i, 1, True)))
         idle = idle_rate(pid, 10.0)
         rows["stream_idle_ms_per_s"] = {"picker": round(idle.picker * 1000, 2), "envoy": round(idle.envoy * 1000, 2)}
         n, c = args.stream_requests, args.stream_concurrency
