@@ -31,6 +31,8 @@ class EndpointPool:
     eject_after_failures: int = 3
     eject_seconds: float = 10.0
     endpoints: dict[str, EndpointState] = field(default_factory=dict)
+    # set when set_urls adds or removes an engine (whoever mirrors the membership, e.g. Envoy's EDS file, clears it)
+    membership_changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
 
     def set_urls(self, urls: Iterable[str]) -> tuple[set[str], set[str]]:
         """Discovery's full set; returns (added, removed). A removed engine leaves the pool at once."""
@@ -41,6 +43,8 @@ class EndpointPool:
             del self.endpoints[url]
         for url in added:
             self.endpoints[url] = EndpointState(url)
+        if added or removed:
+            self.membership_changed.set()
         return added, removed
 
     def urls(self) -> list[str]:

@@ -27,9 +27,6 @@ from kvfleet.gateway.routing import RoutingContext, pick, strategy_named
 log = logging.getLogger("kvfleet.gateway.envoy")
 
 FALLBACKS = 1  # Envoy retries once, as the Python proxy does: one engine after the chosen one is enough
-# How often the pool is compared with the file (a set comparison; discovery has no change hook): an engine the
-# picker may route to should be in Envoy's cluster by then (it becomes routable after its first scrape).
-POLL_S = 0.01
 
 
 @lru_cache(maxsize=4096)
@@ -102,8 +99,9 @@ def write_endpoints(path: Path, addresses: Iterable[str]) -> None:
 
 
 class EndpointsFile:
-    """Keeps the EDS file at `path` equal to the gateway's engine pool; `path` lies in a folder of its own,
-    which Envoy watches."""
+    """Keeps the EDS file at `path` equal to the gateway's engine pool, rewritten when discovery changes the pool
+    (an engine becomes routable only after its first scrape, by when Envoy has the file); `path` lies in a folder
+    of its own, which Envoy watches."""
 
     def __init__(self, pool: EndpointPool, path: Path) -> None:
         self.pool, self.path = pool, path
@@ -122,7 +120,8 @@ class EndpointsFile:
                     addresses = await loop.run_in_executor(None, _resolve_all, urls)
                 write_endpoints(self.path, addresses)
                 self._written = urls  # a name that did not resolve is tried again when the pool next changes
-            await asyncio.sleep(POLL_S)
+            await self.pool.membership_changed.wait()  # discovery changed the pool: no polling in between
+            self.pool.membership_changed.clear()
 
 
 def _is_ip(url: str) -> bool:

@@ -6,6 +6,7 @@ engine. The failing engines are tests/test_gateway_hostile_engines.py's stand-in
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -18,7 +19,7 @@ from kvfleet.fleet.load import EngineLoad
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.envoy_config import DESTINATION_HEADER
-from kvfleet.gateway.envoy_endpoints import endpoints_document, envoy_address, pick_destinations
+from kvfleet.gateway.envoy_endpoints import EndpointsFile, endpoints_document, envoy_address, pick_destinations
 from kvfleet.gateway.envoy_messages import SUBSET_KEY, SUBSET_NAMESPACE, route_to, subset_hint
 from kvfleet.gateway.failure_class import AnswerClass, classify_attempt, engine_health
 from kvfleet.gateway.metrics import GatewayMetrics
@@ -225,3 +226,29 @@ def test_the_class_of_one_envoy_attempt(status: int, flags: tuple, headers: dict
 def test_only_an_engines_own_fault_counts_toward_ejection() -> None:
     assert [engine_health(v) for v in (AnswerClass.OK, AnswerClass.FAULT, AnswerClass.BUSY, AnswerClass.REQUEST,
                                        None)] == [True, False, None, None, None]
+
+
+def test_envoys_endpoint_file_follows_the_pool_as_discovery_changes_it(tmp_path) -> None:
+    """Engines discovered later reach Envoy's cluster, and removed ones leave it, without a restart."""
+
+    async def run() -> list[str]:
+        pool = EndpointPool()
+        path = tmp_path / "eds" / "engines.json"
+        mirror = asyncio.create_task(EndpointsFile(pool, path).run())
+        seen = []
+        for urls in (["http://10.0.0.1:8000"], ["http://10.0.0.1:8000", "http://10.0.0.2:8000"],
+                     ["http://10.0.0.2:8000"]):
+            pool.set_urls(urls)
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                text = path.read_text()
+                if all(envoy_address(u) in text for u in urls) and text.count("port_value") == len(urls):
+                    break
+            seen.append(path.read_text())
+        mirror.cancel()
+        return seen
+
+    first, both, last = asyncio.run(run())
+    assert "10.0.0.1" in first and "10.0.0.2" not in first
+    assert "10.0.0.1" in both and "10.0.0.2" in both
+    assert "10.0.0.1" not in last and "10.0.0.2" in last

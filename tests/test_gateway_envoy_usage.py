@@ -31,7 +31,7 @@ from kvfleet.gateway.usage import Cost, Settlement
 from tests.conftest import start_gateway, stop_process
 from tests.test_gateway_hostile_engines import METRICS, counter
 from tests.test_gateway_proxy import wait_until_routable
-from tests.test_gateway_token_limits import FLEET, settled_window, window_tokens
+from tests.test_gateway_token_limits import FLEET, settled_window, usage_chunk_only_to_who_asked, window_tokens
 
 TPM = 100
 PROMPT = "Hello"
@@ -118,27 +118,9 @@ def test_a_short_answer_settles_at_its_real_usage_so_the_next_request_is_admitte
 
 
 def test_the_usage_chunk_reaches_only_the_client_that_asked_for_it(gateways, model, redis) -> None:
+    """Through Envoy the usage chunk the gateway asked for is hidden by Envoy's Lua filter, not by Python."""
     client = openai.AsyncOpenAI(base_url=f"{gateways['envoy']}/v1", api_key=COUNTED_KEY, max_retries=0)
-    chat = dict(model=model, messages=[{"role": "user", "content": "Count to five"}], max_tokens=12,
-                temperature=0)
-
-    async def streamed(**extra) -> list:
-        return [chunk async for chunk in await client.chat.completions.create(stream=True, **chat, **extra)]
-
-    async def run() -> None:
-        before = window_tokens(redis, COUNTED_KEY)
-        asked = await streamed(stream_options={"include_usage": True})
-        usage = asked[-1].usage
-        assert asked[-1].choices == [] and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-        before = await settled_window(redis, COUNTED_KEY, before + usage.total_tokens)
-
-        plain = await streamed()  # the gateway asks for usage itself; Envoy's Lua filter hides it again
-        assert all(chunk.choices and chunk.usage is None for chunk in plain)
-        assert [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in plain] == \
-            [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in asked[:-1]]
-        assert await settled_window(redis, COUNTED_KEY, before + usage.total_tokens) == before + usage.total_tokens
-
-    asyncio.run(run())
+    asyncio.run(usage_chunk_only_to_who_asked(client, model, redis, COUNTED_KEY))
 
 
 def requests_counted(url: str, code: str) -> float:

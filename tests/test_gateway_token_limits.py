@@ -205,26 +205,35 @@ def test_a_burst_of_20_requests_admits_at_most_tpm_plus_one_reservation(gateway:
     asyncio.run(run())
 
 
-def test_streams_and_every_choice_count_their_real_tokens(gateway: str, model: str, redis) -> None:
-    client = openai.AsyncOpenAI(base_url=f"{gateway}/v1", api_key=COUNTED_KEY, max_retries=0)
+async def usage_chunk_only_to_who_asked(client: openai.AsyncOpenAI, model: str, redis, key: str) -> int:
+    """A stream that asked for usage gets the usage chunk, one that did not gets the same chunks without it (the
+    gateway asks the engine itself and hides it again); both settle at their real count. The window after."""
     chat = dict(model=model, messages=[{"role": "user", "content": "Count to five"}], max_tokens=12,
                 temperature=0)
 
     async def streamed(**extra) -> list:
         return [chunk async for chunk in await client.chat.completions.create(stream=True, **chat, **extra)]
 
-    async def run() -> None:
-        before = window_tokens(redis, COUNTED_KEY)
-        asked = await streamed(stream_options={"include_usage": True})
-        usage = asked[-1].usage
-        assert asked[-1].choices == [] and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-        before = await settled_window(redis, COUNTED_KEY, before + usage.total_tokens)
+    before = window_tokens(redis, key)
+    asked = await streamed(stream_options={"include_usage": True})
+    usage = asked[-1].usage
+    assert asked[-1].choices == [] and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    before = await settled_window(redis, key, before + usage.total_tokens)
 
-        plain = await streamed()  # the gateway asks for usage itself and hides it again
-        assert all(chunk.choices and chunk.usage is None for chunk in plain)
-        assert [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in plain] == \
-            [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in asked[:-1]]
-        before = await settled_window(redis, COUNTED_KEY, before + usage.total_tokens)
+    plain = await streamed()
+    assert all(chunk.choices and chunk.usage is None for chunk in plain)
+    assert [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in plain] == \
+        [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in asked[:-1]]
+    after = await settled_window(redis, key, before + usage.total_tokens)
+    assert after == before + usage.total_tokens
+    return after
+
+
+def test_streams_and_every_choice_count_their_real_tokens(gateway: str, model: str, redis) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{gateway}/v1", api_key=COUNTED_KEY, max_retries=0)
+
+    async def run() -> None:
+        before = await usage_chunk_only_to_who_asked(client, model, redis, COUNTED_KEY)
 
         three = await client.completions.create(model=model, prompt="Once upon", max_tokens=6, n=3,
                                                 extra_body={"ignore_eos": True})
