@@ -7,7 +7,7 @@ emulated Kubernetes API, engines as local processes), which is how CI on a machi
     KVFLEET_E2E_FLEET         the InferenceFleet's name (default chat)
     KUBECONFIG                the cluster's kubeconfig (the local cluster writes its own)
     KVFLEET_E2E_KIND          set by e2e/kind.sh: scenarios that need a real cluster (helm uninstall) run
-    KVFLEET_E2E_GATEWAY_MODE  set by e2e/kind.sh: the chart's gateway.mode (python, envoy, or inferencePool: requests
+    KVFLEET_E2E_GATEWAY_MODE  set by e2e/kind.sh: the chart's gateway.mode (envoy, python, or inferencePool: requests
                               pass another Gateway's Envoy, which adds no x-kvfleet-engine header)
 """
 

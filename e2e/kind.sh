@@ -6,7 +6,7 @@
 #
 #   e2e/kind.sh                   # creates the cluster kvfleet-e2e, deletes it at the end
 #   KEEP_CLUSTER=1 e2e/kind.sh    # leaves the cluster for a look around (kind delete cluster --name kvfleet-e2e)
-#   KVFLEET_E2E_GATEWAY_MODE=envoy e2e/kind.sh   # gateway.mode=envoy (default: python, the chart's default)
+#   KVFLEET_E2E_GATEWAY_MODE=python e2e/kind.sh  # gateway.mode=python (default: envoy, the chart's default)
 #   KVFLEET_E2E_GATEWAY_MODE=inferencePool e2e/kind.sh
 #                                 # gateway.mode=inferencePool: installs the Gateway API and InferencePool CRDs and
 #                                 # kgateway with its inference extension (pinned below), applies
@@ -18,7 +18,7 @@ cluster="${KIND_CLUSTER:-kvfleet-e2e}"
 namespace="${KVFLEET_E2E_NAMESPACE:-kvfleet}"
 release="${KVFLEET_E2E_RELEASE:-kvfleet}"
 local_port="${KVFLEET_E2E_PORT:-18080}"
-gateway_mode="${KVFLEET_E2E_GATEWAY_MODE:-python}"
+gateway_mode="${KVFLEET_E2E_GATEWAY_MODE:-envoy}"
 # inferencePool mode: the versions installed (InferencePool v1 from the Inference Extension's v1.1.0, whose guide
 # pairs it with kgateway v2.1.0; the Gateway API it builds against, v1.4.0).
 gateway_api_version="v1.4.0"

@@ -47,7 +47,7 @@ class GatewayConfig:
     engine_api_key: str | None = field(default=None, repr=False)  # sent upstream as `Authorization: Bearer <key>`
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     enable_docs: bool = False  # /docs, /redoc and /openapi.json
-    data_plane: str = "python"  # one of DATA_PLANES
+    data_plane: str = "envoy"  # one of DATA_PLANES; envoy falls back to python where no Envoy binary exists
     picker_port: int = DEFAULT_PICKER_PORT  # the picker's gRPC port with --data-plane picker or envoy-sidecar
     envoy_endpoints_file: str | None = None  # envoy-sidecar: the EDS file this process writes and the Envoy reads
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

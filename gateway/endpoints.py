@@ -107,15 +107,20 @@ class EndpointPool:
         return False if ok is None else self.record_outcome(url, ok, now)
 
     def record_outcome(self, url: str, ok: bool, now: float | None = None) -> bool:
+        """An outcome of the engine's; returns True when this failure ejected it. While it is ejected, outcomes of
+        requests sent before the ejection (behind Envoy they arrive a flush interval late) count for nothing."""
         state = self.endpoints.get(url)
         if state is None:
+            return False
+        now = now or time.monotonic()
+        if now < state.ejected_until:
             return False
         if ok:
             state.consecutive_failures = 0
             return False
         state.consecutive_failures += 1
         if state.consecutive_failures >= self.eject_after_failures:
-            state.ejected_until = (now or time.monotonic()) + self.eject_seconds
+            state.ejected_until = now + self.eject_seconds
             state.consecutive_failures = 0
             return True
         return False

@@ -99,8 +99,22 @@ def _retry_policy() -> dict:
     }
 
 
+def _longest_wait_s(config: GatewayConfig) -> float:
+    """The longest a request may wait in the fleet queue, with the picker's margin."""
+    return config.max_queue_ms_limit / 1000.0 + PICKER_MARGIN_S
+
+
+def stream_silence_s(config: GatewayConfig) -> float:
+    """How long a request's stream may see no byte either way before Envoy ends it. Envoy has one idle timer for
+    a stream's whole life, where the Python proxy has a first-byte timeout (a non-streamed answer arrives whole,
+    minutes later), an idle gap between chunks, and the queue wait before either: the largest of them, so that
+    none cuts a healthy request. An engine that stops answering is found sooner by its silent /metrics
+    (--engine-unreachable-after), and the picker ends the requests it holds on it (gateway/ext_proc.py)."""
+    return max(config.upstream_first_byte_timeout_s, config.upstream_idle_timeout_s, _longest_wait_s(config))
+
+
 def _ext_proc_filter(config: GatewayConfig) -> dict:
-    longest = config.max_queue_ms_limit / 1000.0 + PICKER_MARGIN_S
+    longest = _longest_wait_s(config)
     return {"name": "envoy.filters.http.ext_proc", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}, "timeout": _seconds(longest)},
@@ -124,9 +138,10 @@ def _routes(config: GatewayConfig) -> list[dict]:
     comma; the picker clears the route cache so the route is chosen again), without one when it named only one,
     as the Python proxy retries only elsewhere."""
     to_engines = {"cluster": ENGINES_CLUSTER, "timeout": "0s",  # no total limit: long streams are normal
-                  "idle_timeout": _seconds(config.upstream_idle_timeout_s)}
-    name_engine = [{"header": {"key": headers.ENGINE, "value": "http://%UPSTREAM_HOST%"},
-                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+                  "idle_timeout": _seconds(stream_silence_s(config))}
+    # the engine's URL, the EDS endpoint's hostname (envoy_endpoints.py); none on the picker's own answers
+    name_engine = [{"header": {"key": headers.ENGINE, "value": "%UPSTREAM_HOST_NAME%"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD", "keep_empty_value": False}]
     with_fallback = [{"name": DESTINATION_HEADER, "string_match": {"contains": ","}}]
     generation = [{"match": {"path": path, "headers": with_fallback},
                    "route": {**to_engines, "retry_policy": _retry_policy()}, "response_headers_to_add": name_engine}
@@ -160,7 +175,7 @@ def build_bootstrap(config: GatewayConfig, host: str, port: int, picker_port: in
         "common_http_protocol_options": {"max_headers_count": limits.max_header_count,
                                          "idle_timeout": "75s", "headers_with_underscores_action": "ALLOW"},
         "request_headers_timeout": _seconds(limits.header_timeout_s),
-        "stream_idle_timeout": _seconds(config.upstream_idle_timeout_s),
+        "stream_idle_timeout": _seconds(stream_silence_s(config)),
         # the request id is the gateway's rule (the client's when short and printable, else a new one: the picker
         # sets it), not a UUID Envoy would make before the picker sees the request
         "preserve_external_request_id": True, "generate_request_id": False,

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -79,19 +79,22 @@ def _address_in(url: str, subset: frozenset[str]) -> bool:
         return False
 
 
-def endpoints_document(addresses: Iterable[str]) -> dict:
-    """The EDS file's content: one ClusterLoadAssignment for the engines' cluster."""
+def endpoints_document(addresses: Iterable[str] | Mapping[str, str]) -> dict:
+    """The EDS file's content: one ClusterLoadAssignment for the engines' cluster. Each endpoint's hostname is the
+    engine's URL as the gateway knows it (`addresses` maps ip:port to it; else http://ip:port): Envoy names the
+    engine that served an answer with it (x-kvfleet-engine, %UPSTREAM_HOST_NAME%)."""
+    urls = addresses if isinstance(addresses, Mapping) else {a: f"http://{a}" for a in addresses}
     lb_endpoints = []
-    for address in sorted(addresses):
+    for address in sorted(urls):
         host, port = address.rsplit(":", 1)
-        lb_endpoints.append({"endpoint": {"address": {"socket_address": {"address": host.strip("[]"),
-                                                                          "port_value": int(port)}}}})
+        lb_endpoints.append({"endpoint": {"hostname": urls[address], "address": {"socket_address": {
+            "address": host.strip("[]"), "port_value": int(port)}}}})
     return {"version_info": str(len(lb_endpoints)), "resources": [{
         "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
         "cluster_name": ENGINES_CLUSTER, "endpoints": [{"lb_endpoints": lb_endpoints}]}]}
 
 
-def write_endpoints(path: Path, addresses: Iterable[str]) -> None:
+def write_endpoints(path: Path, addresses: Iterable[str] | Mapping[str, str]) -> None:
     """Replaces the EDS file at once (write beside it, then rename)."""
     partial = path.with_name(f".{path.name}.partial")
     partial.write_text(json.dumps(endpoints_document(addresses)))
@@ -132,11 +135,12 @@ def _is_ip(url: str) -> bool:
         return False
 
 
-def _resolve_all(urls: Iterable[str]) -> set[str]:
-    addresses = set()
+def _resolve_all(urls: Iterable[str]) -> dict[str, str]:
+    """ip:port -> the engine's URL."""
+    addresses = {}
     for url in urls:
         try:
-            addresses.add(envoy_address(url))
+            addresses[envoy_address(url)] = url
         except OSError as err:
             log.warning("engine %s left out of Envoy's endpoints: its name does not resolve (%s)", url, err)
     return addresses

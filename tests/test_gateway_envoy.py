@@ -62,6 +62,7 @@ def test_a_request_the_picker_refuses_gets_an_openai_error_from_envoy(envoy_gate
     r = httpx.post(f"{url}/v1/completions", json={"model": model, **body}, headers=headers, timeout=30)
     assert r.status_code == 400
     assert r.headers["content-type"] == "application/json"
+    assert "x-kvfleet-engine" not in r.headers  # no engine saw it
     error = json.loads(r.content)["error"]
     assert error["param"] == param and error["message"]
 

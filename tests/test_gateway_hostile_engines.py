@@ -18,7 +18,7 @@ import pytest
 
 from kvfleet.gateway.failure_class import FAULT_HEADER, AnswerClass, classify
 from tests.conftest import start_gateway, stop_process
-from tests.test_gateway_proxy import wait_until_routable
+from tests.test_gateway_proxy import until_metric, wait_until_routable
 
 METRICS = b"kvfleet_kv_cache_usage 0.1\nkvfleet_num_requests_waiting 0\nkvfleet_num_requests_running 0\n"
 
@@ -131,16 +131,25 @@ def test_an_engine_fault_is_retried_elsewhere_and_ejects_the_engine(fleet) -> No
     for i in range(6):
         r = complete(url, f"q{i}")
         assert r.status_code == 200 and r.headers["x-kvfleet-engine"] == healthy.url
-    assert len(broken.prompts) == 2  # two faults, then it is ejected and no longer tried
-    metrics = httpx.get(f"{url}/metrics").text
-    assert f'kvfleet_gateway_ejections_total{{endpoint="{broken.url}"}} 1.0' in metrics
+    # two faults, then it is ejected and no longer tried; behind Envoy the faults reach the picker in its access
+    # log (a quarter-second flush), so a request sent meanwhile may try it once more
+    assert 2 <= len(broken.prompts) <= 3
+    until_metric(url, f'kvfleet_gateway_ejections_total{{endpoint="{broken.url}"}} 1.0')
 
 
 def test_a_stream_that_ends_without_done_ends_with_an_error_event(fleet) -> None:
-    url, _ = fleet
-    with httpx.stream("POST", f"{url}/v1/completions", json={"model": "stand-in", "prompt": "truncate",
-                                                               "stream": True}, timeout=30) as r:
-        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    """The Python proxy reads every event, so it can tell a stream an engine ended early; Envoy carries the bytes
+    unread, and a stream an engine closes cleanly without [DONE] reaches the client as the engine sent it
+    (docs/security.md: kvfleet's engines and vLLM end every stream with [DONE] or an error event)."""
+    _, engines = fleet
+    gateway, url = start_gateway(*(a for e in engines for a in ("--engine", e.url)), "--data-plane", "python")
+    try:
+        wait_until_routable(url, 2)
+        with httpx.stream("POST", f"{url}/v1/completions", json={"model": "stand-in", "prompt": "truncate",
+                                                                   "stream": True}, timeout=30) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    finally:
+        stop_process(gateway)
     assert r.status_code == 200 and events[0].startswith('data: {"choices"')
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert error["code"] == "stream_truncated" and "incomplete" in error["message"]

@@ -36,6 +36,18 @@ def wait_until_routable(url: str, engines: int = 1, timeout: float = 30.0) -> No
     raise AssertionError(f"the gateway never saw {engines} available engine(s): {body}")
 
 
+def until_metric(url: str, line: str, timeout: float = 5.0) -> str:
+    """The gateway's /metrics once it shows `line`. Behind Envoy an answer is counted from Envoy's access log, which
+    reaches the gateway within a flush interval (a quarter of a second), not at the moment the client has it."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (text := httpx.get(f"{url}/metrics").text).find(line) < 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert line in text, f"{line!r} not in the gateway's metrics"
+    return text
+
+
 @pytest.fixture(scope="module")
 def client(gateway: str) -> OpenAI:
     return OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -129,8 +141,7 @@ def test_ready_and_metrics_describe_the_fleet(gateway: str, model: str) -> None:
     assert ready["engines"] == 1 and ready["healthy"] == 1 and ready["queue"] == "redis" and "redis" not in ready
     httpx.post(f"{gateway}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1},
                headers={"x-kvfleet-priority": "critical"}, timeout=30)
-    text = httpx.get(f"{gateway}/metrics").text
-    assert 'kvfleet_gateway_requests_total{code="200",priority="critical"}' in text
+    text = until_metric(gateway, 'kvfleet_gateway_requests_total{code="200",priority="critical"}')
     assert "kvfleet_gateway_redis_up 1.0" in text
     assert 'kvfleet_gateway_endpoints{state="available"} 1.0' in text
     assert "kvfleet_gateway_scrape_age_seconds{endpoint=" in text

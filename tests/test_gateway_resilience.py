@@ -13,13 +13,20 @@ import pytest
 from openai import OpenAI
 
 from tests.conftest import process_output, start_engine_servers, start_gateway, stop_process
-from tests.test_gateway_proxy import wait_until_routable
+from tests.test_gateway_proxy import until_metric, wait_until_routable
 
 
-def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event(tiny_model_dir) -> None:
+# How the client sees a stream its engine broke after the answer began: the Python proxy ends it with an OpenAI
+# error event; Envoy cannot add to an answer under way and resets the client's connection (the openai client
+# raises APIConnectionError). Never a clean end that looks like success.
+BROKEN_STREAM = {"python": (openai.APIError, "failed mid-stream"), "envoy": (openai.APIConnectionError, "Connection")}
+
+
+@pytest.mark.parametrize("plane", ["envoy", "python"])
+def test_an_engine_that_dies_mid_stream_breaks_the_stream_visibly(tiny_model_dir, plane: str) -> None:
     [(engine, engine_url)] = start_engine_servers(tiny_model_dir, ("--max-model-len", "1024",
                                                                    "--kv-cache-memory", "32MiB"))
-    gateway, url = start_gateway("--engine", engine_url)
+    gateway, url = start_gateway("--engine", engine_url, "--data-plane", plane)
     try:
         wait_until_routable(url)
         client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
@@ -28,14 +35,14 @@ def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event(tiny
                                            extra_body={"ignore_eos": True})
         received = 0
         started = time.monotonic()
-        with pytest.raises(openai.APIError, match="failed mid-stream"):
+        error, message = BROKEN_STREAM[plane]
+        with pytest.raises(error, match=message):
             for _ in stream:
                 received += 1
                 if received == 3:
                     engine.send_signal(signal.SIGKILL)
         assert received >= 3 and time.monotonic() - started < 20  # an error, not a hang
-        metrics = httpx.get(f"{url}/metrics").text
-        assert 'kvfleet_gateway_requests_total{code="200",priority="standard"} 1.0' in metrics
+        until_metric(url, 'kvfleet_gateway_requests_total{code="200",priority="standard"} 1.0')
     finally:
         stop_process(gateway)
         stop_process(engine)
@@ -61,11 +68,12 @@ def test_requests_to_a_dead_engine_are_retried_elsewhere_and_the_engine_is_eject
             assert r.status_code == 200, r.text
             served.append(r.headers["x-kvfleet-engine"])
         assert served == [url_b] * 8
-        metrics = httpx.get(f"{url}/metrics").text
-        assert f'kvfleet_gateway_ejections_total{{endpoint="{url_a}"}} 1.0' in metrics
+        metrics = until_metric(url, f'kvfleet_gateway_ejections_total{{endpoint="{url_a}"}} 1.0')
         retried = sum(float(line.split()[-1]) for line in metrics.splitlines()
                       if line.startswith("kvfleet_gateway_retries_total"))
-        assert retried == 2  # two failures, then A is ejected and no longer tried
+        # two failures, then A is ejected and no longer tried; behind Envoy the failures reach the picker in its
+        # access log (a quarter-second flush), so requests sent meanwhile may try A first too
+        assert 2 <= retried <= 4
     finally:
         stop_process(gateway)
         stop_process(a)
@@ -167,13 +175,16 @@ def engine_metric(engine_url: str, name: str) -> float:
 
 
 def test_an_engine_that_stops_answering_is_timed_out_ejected_and_clients_are_answered(keyed_engine: str) -> None:
+    """The Python proxy's own first-byte and idle timers (Envoy has one idle timer per stream, the largest of them:
+    gateway/envoy_config.stream_silence_s; behind Envoy a blackhole is found by its silent /metrics, next test)."""
     proxy = BlackholeProxy(keyed_engine)
     # Round-robin sends every other request through the proxy; metrics allowed to age long keep the blackholed
     # engine looking routable, so only the request timeouts can find it out.
     gateway, url = start_gateway("--engine", proxy.url, "--engine", keyed_engine, "--routing", "round-robin",
                                  "--engine-api-key", ENGINE_KEY, "--upstream-first-byte-timeout", "2",
                                  "--upstream-idle-timeout", "1", "--eject-after-failures", "2",
-                                 "--scrape-interval-ms", "10000", "--max-metrics-age-ms", "60000")
+                                 "--scrape-interval-ms", "10000", "--max-metrics-age-ms", "60000",
+                                 "--data-plane", "python")
     body = {"model": "m", "prompt": "tell a long story", "max_tokens": 60, "stream": True, "ignore_eos": True}
     try:
         wait_until_routable(url, 2)
@@ -206,14 +217,16 @@ def test_an_engine_that_stops_answering_is_timed_out_ejected_and_clients_are_ans
         proxy.close()
 
 
-def test_with_default_timeouts_an_engine_whose_metrics_go_silent_is_dropped_in_seconds(keyed_engine: str) -> None:
+@pytest.mark.parametrize("plane", ["envoy", "python"])
+def test_with_default_timeouts_an_engine_whose_metrics_go_silent_is_dropped_in_seconds(keyed_engine: str,
+                                                                                       plane: str) -> None:
     """The long default timeouts stay (a queued request may wait minutes for its first token); an engine whose
     /metrics stops answering for 10 s (--engine-unreachable-after) is what ends the waits on it."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     proxy = BlackholeProxy(keyed_engine)
-    gateway, url = start_gateway("--engine", proxy.url, "--engine-api-key", ENGINE_KEY)
+    gateway, url = start_gateway("--engine", proxy.url, "--engine-api-key", ENGINE_KEY, "--data-plane", plane)
     try:
         wait_until_routable(url)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
@@ -223,13 +236,16 @@ def test_with_default_timeouts_an_engine_whose_metrics_go_silent_is_dropped_in_s
         def stream_events() -> list[str]:
             body = {"model": model, "prompt": "tell a long story", "max_tokens": 200, "stream": True,
                     "ignore_eos": True}
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-                events = []
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line)
-                        started.set()
-                return events
+            events = []
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line)
+                            started.set()
+            except httpx.RemoteProtocolError:  # Envoy resets a stream it cannot finish (BROKEN_STREAM above)
+                events.append("reset")
+            return events
 
         with ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(stream_events)
@@ -238,8 +254,12 @@ def test_with_default_timeouts_an_engine_whose_metrics_go_silent_is_dropped_in_s
             holed_at = time.monotonic()
             events = in_flight.result(timeout=60)
         ended_in = time.monotonic() - holed_at
-        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "upstream_timeout"
-        assert events[-1] == "data: [DONE]" and ended_in < 18  # 10 s, one scrape timeout, a busy machine
+        if plane == "python":
+            assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "upstream_timeout"
+            assert events[-1] == "data: [DONE]"
+        else:
+            assert events[-1] == "reset"
+        assert ended_in < 18  # 10 s, one scrape timeout, a busy machine
         ready = httpx.get(f"{url}/ready").json()
         assert ready["healthy"] == 0 and ready["available"] == 0
     finally:

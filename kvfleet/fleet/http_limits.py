@@ -52,9 +52,16 @@ class HttpLimits:
     def head_too_slow(self) -> tuple[int, str, str]:
         return 408, f"the request headers did not arrive within {self.header_timeout_s:g} s", "request_timeout"
 
+    def body_too_slow(self) -> str:  # the 408's message
+        return body_too_slow_message(self.body_timeout_s)
+
     def too_many_connections(self) -> tuple[int, str, str]:
         return (503, f"this server has {self.max_connections} connections open, its limit; retry shortly",
                 "too_many_connections")
+
+
+def body_too_slow_message(seconds: float) -> str:
+    return f"the request body did not arrive within {seconds:g} s; send it faster or make it smaller"
 
 
 def error_bytes(status: int, message: str, code: str) -> bytes:
@@ -209,8 +216,7 @@ class BodyDeadline:
                     message = await receive()
             except TimeoutError:
                 expired = True
-                raise HTTPException(408, f"the request body did not arrive within {self.seconds:g} s; "
-                                         "send it faster or make it smaller") from None
+                raise HTTPException(408, body_too_slow_message(self.seconds)) from None
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
             return message
