@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from bench.abuse_catalogue import CATALOGUE, Attack, Outcome, Target
+from bench.fleet_procs import children
 
 VICTIM_PROMPTS = ["Name three rivers in Europe.", "What is a prime number?", "Describe a cat in one sentence.",
                   "Count from one to five."]
@@ -187,7 +188,8 @@ def main() -> int:
         fleet = LocalFleet(FleetSpec(engines=args.engines, model=args.model, port=free_port()))
         fleet.start()
         target = Target(fleet.url, args.model, [e.url for e in fleet.engines], fleet.run_dir)
-        pids = [fleet.gateway.proc.pid, *(e.proc.pid for e in fleet.engines)]
+        gateway = fleet.gateway.proc.pid  # with its Envoy child, which holds the attackers' connections
+        pids = [gateway, *children(gateway), *(e.proc.pid for e in fleet.engines)]
     try:
         alone = run_victims(target.gateway_url, target.model)
         if run_victims(target.gateway_url, target.model) != alone:

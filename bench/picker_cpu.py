@@ -3,6 +3,7 @@ picker, Python) and in its Envoy child, per request, for 1-token completions and
 
     python -m bench.picker_cpu                     # 2000 1-token requests at 32 clients, then the stream check
     python -m bench.picker_cpu --requests 500      # quicker
+    python -m bench.picker_cpu --requests 1000 --stream-requests 0   # the 1-token run only
 
 One tiny-model engine; one gateway that never counts the engine as saturated (--saturation-queue 1000000), so no
 request waits in the fleet queue and what is measured is the per-request path. The gateway's idle CPU (scrapes,
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -87,11 +89,35 @@ async def closed_loop(n: int, concurrency: int, send: Callable[[httpx.AsyncClien
         return time.perf_counter() - started, results
 
 
+def thread_cpu(pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far of the processes' threads, summed by thread name (Linux /proc): the picker's event loop
+    is `python`, gRPC's C-core poller `event_engine` and friends; Envoy's workers `wrk:worker_N`."""
+    out: dict[str, float] = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                name = (task / "comm").read_text().strip()
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # the thread ended
+                continue
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def _per_request_ms(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    return {name: round((cpu - before.get(name, 0.0)) * 1000 / n, 3) for name, cpu in after.items()
+            if cpu > before.get(name, 0.0)}
+
+
 def measure(url: str, pid: int, idle: Cpu, n: int, concurrency: int, max_tokens: int, stream: bool) -> dict:
-    """CPU ms per request of the picker's process and of Envoy, idle CPU over the same time taken out."""
+    """CPU ms per request of the picker's process and of Envoy, idle CPU over the same time taken out; and, idle
+    not taken out, by thread."""
     waits, before = gateway_queue_waits(url), Cpu.of(pid)
+    threads_before, envoy_threads_before = thread_cpu([pid]), thread_cpu(children(pid))
     wall, results = asyncio.run(closed_loop(n, concurrency, lambda c, i: _one(c, url, i, max_tokens, stream)))
     used = Cpu.of(pid) - before
+    threads = _per_request_ms(threads_before, thread_cpu([pid]), n)
+    envoy_threads = _per_request_ms(envoy_threads_before, thread_cpu(children(pid)), n)
     queued = sum(q["queued"] for q in queue_waits_between(waits, gateway_queue_waits(url)).values())
     failed = sum(r < 0 for r in results)
     short = sum(0 <= r < max_tokens for r in results)
@@ -99,7 +125,8 @@ def measure(url: str, pid: int, idle: Cpu, n: int, concurrency: int, max_tokens:
             "failed": failed, "short": short, "queued": queued, "req_per_s": round(n / wall, 1),
             "picker_ms": round((used.picker - idle.picker * wall) * 1000 / n, 3),
             "envoy_ms": round((used.envoy - idle.envoy * wall) * 1000 / n, 3),
-            "picker_raw_ms": round(used.picker * 1000 / n, 3), "envoy_raw_ms": round(used.envoy * 1000 / n, 3)}
+            "picker_raw_ms": round(used.picker * 1000 / n, 3), "envoy_raw_ms": round(used.envoy * 1000 / n, 3),
+            "picker_threads_raw_ms": threads, "envoy_threads_raw_ms": envoy_threads}
 
 
 def idle_rate(pid: int, seconds: float) -> Cpu:
@@ -114,7 +141,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000, help="1-token completions in the main run")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--stream-requests", type=int, default=48, help="requests in each arm of the stream check")
+    parser.add_argument("--stream-requests", type=int, default=48,
+                        help="requests in each arm of the stream check (0: no stream check)")
     parser.add_argument("--stream-concurrency", type=int, default=8)
     parser.add_argument("--stream-tokens", type=int, default=256)
     parser.add_argument("--profile-wait", type=float, default=0.0,
@@ -134,6 +162,9 @@ def main() -> None:
         rows = {"idle_ms_per_s": {"picker": round(idle.picker * 1000, 2), "envoy": round(idle.envoy * 1000, 2)}}
         rows["one_token"] = measure(url, pid, idle, args.requests, args.concurrency, 1, False)
         print(json.dumps(rows["one_token"]), flush=True)
+        if args.stream_requests <= 0:
+            _write(args.out, rows)
+            return
         # Scrapes every 75 ms cost more CPU over a 256-token stream than the picker's part of it: the stream check
         # runs on a gateway that scrapes every 10 s (and takes such metrics as fresh, so nothing waits in the queue).
         url = fleet.start_gateway(extra=["--data-plane", "envoy", *NO_LIMIT, "--scrape-interval-ms", "10000",
@@ -147,8 +178,12 @@ def main() -> None:
         print(json.dumps(rows["stream_1"]), flush=True)
         rows[f"stream_{args.stream_tokens}"] = measure(url, pid, idle, n, c, args.stream_tokens, True)
         print(json.dumps(rows[f"stream_{args.stream_tokens}"]), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
+    _write(args.out, rows)
+
+
+def _write(out: Path | None, rows: dict) -> None:
+    if out:
+        out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
