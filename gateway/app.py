@@ -91,7 +91,7 @@ class Gateway:
 
             self.limiter = RateLimiter(self.queue.client, c.fleet) if self.queue.client else InProcessRateLimiter()
         self.forwarder = Forwarder(c, self.client, self.pool, self.prefix, self.metrics)
-        self.scraper = Scraper(self.client, self.pool, c.scrape_interval_s, on_scrape=lambda url: self.poke(),
+        self.scraper = Scraper(self.pool, c.scrape_interval_s, on_scrape=lambda url: self.poke(),
                                unreachable_after_s=c.engine_unreachable_after_s)
         self.discovery = self.discovery or _discovery(c)
         self._tasks.append(asyncio.create_task(self.discovery.run(self.set_endpoints), name="discovery"))

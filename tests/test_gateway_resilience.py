@@ -15,7 +15,6 @@ from openai import OpenAI
 from tests.conftest import process_output, start_engine_servers, start_gateway, stop_process
 from tests.test_gateway_proxy import until_metric, wait_until_routable
 
-
 # How the client sees a stream its engine broke after the answer began: the Python proxy ends it with an OpenAI
 # error event; Envoy cannot add to an answer under way and resets the client's connection (the openai client
 # raises APIConnectionError). Never a clean end that looks like success.
