@@ -14,7 +14,7 @@ from kvfleet.gateway.config import GatewayConfig
 
 
 def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30.0) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
     gateway = Gateway(config)
     _attach_access_control(gateway)
     if config.data_plane == "envoy" and _no_envoy_here():
