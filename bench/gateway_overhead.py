@@ -7,9 +7,10 @@ through the peer routers (smg, sglang-router, vllm-router; bench/peers.py), all 
     python -m bench.gateway_overhead --arms direct,gateway-envoy,smg
 
 One engine of the tiny random Llama (--max-num-seqs 8, one torch thread) and, in front of it, kvfleet gateways
-sharing a Redis: `gateway` with default settings; `gateway-no-limit`, which never counts the engine as saturated
-(--saturation-queue 1000000), so that nothing waits in its fleet queue and what it adds is the proxying alone;
-`gateway-envoy`, the same with Envoy as the data plane and the gateway's endpoint picker deciding; and each peer
+sharing a Redis: `gateway`, the Python proxy (--data-plane python) with default settings; `gateway-no-limit`, the
+same never counting the engine as saturated (--saturation-queue 1000000), so that nothing waits in its fleet queue
+and what it adds is the proxying alone; `gateway-envoy`, Envoy (the default data plane) with the gateway's endpoint
+picker deciding, never saturated either; and each peer
 router installed, with round-robin. Latency: rounds of `--batch` requests per arm at a fixed concurrency, the
 arms' order rotated and reversed round by round so drift hits all alike; requests cycle through max_tokens 1-4,
 streamed and not, EOS ignored, 16-word prompts. Reports end-to-end p50/p99 per arm, each arm − direct, and how
@@ -56,7 +57,9 @@ from kvfleet.loadgen import ENDPOINTS, LoadSpec, PlannedRequest, RequestRecord, 
 KVFLEET_ARMS = ("direct", "gateway", "gateway-no-limit", "gateway-envoy")
 ARMS = (*KVFLEET_ARMS, *peers.PEERS)
 NO_LIMIT = ["--saturation-queue", "1000000"]  # the engine never counts as saturated: nothing waits in the queue
-GATEWAY_FLAGS = {"gateway": [], "gateway-no-limit": NO_LIMIT, "gateway-envoy": [*NO_LIMIT, "--data-plane", "envoy"]}
+PYTHON = ["--data-plane", "python"]  # Envoy is the default data plane: the Python proxy's arms name theirs
+GATEWAY_FLAGS = {"gateway": PYTHON, "gateway-no-limit": [*NO_LIMIT, *PYTHON],
+                 "gateway-envoy": [*NO_LIMIT, "--data-plane", "envoy"]}
 
 
 @dataclasses.dataclass(frozen=True)
