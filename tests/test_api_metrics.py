@@ -83,7 +83,8 @@ def test_disconnect_before_a_plain_response_frees_the_blocks(base: str) -> None:
     total = start["kvfleet_kv_cache_blocks_total"]
     body = {"prompt": [6] * 40, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+        # the client leaves after 0.1 s: a quiet machine generates the 200 tokens in about 0.3 s
+        httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.1))
     for _ in range(100):
         now = scrape(base)
         if now["kvfleet_num_requests_running"] == 0 and now["kvfleet_kv_cache_blocks_free"] == total:

@@ -30,6 +30,7 @@ def picker(tiny_server: str):
     proc, url = start_gateway("--engine", tiny_server, "--data-plane", "picker", "--picker-port", str(picker_port),
                               timeout=90.0)
     wait_until_routable(url)
+    serving_within(picker_port, 30)  # the gRPC server starts after the HTTP app answers
     yield proc, url, picker_port
     stop_process(proc)
 
@@ -38,6 +39,18 @@ def health_status(port: int, service: str) -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def serving_within(port: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if health_status(port, "") == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() < deadline, f"the picker on {port} never said SERVING"
+        time.sleep(0.1)
 
 
 def children_of(pid: int) -> list[str]:
