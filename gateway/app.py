@@ -74,6 +74,9 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.pool = EndpointPool(self.config.eject_after_failures, self.config.eject_seconds)
+        # Envoy's modes: False until the endpoint picker listens (the app starts first: its startup starts what the
+        # picker needs) and again once it drains; /ready is 503 meanwhile. None: no picker in this process.
+        self.picker_serving: bool | None = None
 
     # ---- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -286,6 +289,8 @@ class Gateway:
                 "queued": self.queue.total()}
         if self.queue.redis_error:
             body["redis"] = self.queue.redis_error
+        if self.picker_serving is False:
+            body["status"] = "picker not serving"
         return body
 
     def render_metrics(self) -> bytes:
@@ -337,7 +342,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        return JSONResponse(gateway.ready_body())
+        return JSONResponse(gateway.ready_body(), status_code=503 if gateway.picker_serving is False else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -106,7 +106,7 @@ class LocalFleet:
         args = ["gateway", "--host", s.host, "--port", str(s.port), "--redis-url", self.redis.url,
                 "--fleet", s.fleet, "--routing", s.routing, *engine_flags, *s.gateway_args]
         self.gateway = self._spawn("gateway", args, self.url, env)
-        self._wait_ready(self.gateway, "/health")
+        self._wait_ready(self.gateway, "/ready")  # with Envoy: once its endpoint picker listens
 
     def _resolve_model(self) -> Path:
         from kvfleet.engine.model_files import resolve_model

@@ -108,7 +108,7 @@ def start_gateway(*extra: str, timeout: float = 60.0):
     """A real `kvfleet gateway` process on loopback (pass --engine URLs, --redis-url, ...)."""
     port = free_port()
     return _start_server(["gateway", "--host", "127.0.0.1", "--port", str(port), *extra], port, "gateway",
-                         timeout, ready="/health")
+                         timeout)  # /ready: with Envoy, once its picker listens
 
 
 def stop_process(proc, timeout: float = 30.0) -> None:

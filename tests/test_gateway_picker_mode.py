@@ -149,3 +149,22 @@ def test_the_sidecar_bootstrap_refuses_clashing_ports() -> None:
                            "--data-plane", "envoy-sidecar", "--envoy-endpoints-file", "/tmp/x/engines.json",
                            "--port", "8081", "--picker-port", "9002"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "must differ" in done.stderr
+
+
+def test_ready_is_503_while_the_picker_does_not_serve() -> None:
+    """The app answers before the picker listens (its startup starts what the picker needs) and after the picker
+    drains: /ready says so (the chart's probe and `kvfleet up` wait on it), so Envoy is not sent traffic it would
+    answer 503 picker_unavailable."""
+    from starlette.testclient import TestClient
+
+    from kvfleet.gateway.app import Gateway, build_app
+    from kvfleet.gateway.config import GatewayConfig
+
+    gateway = Gateway(GatewayConfig(data_plane="envoy-sidecar", envoy_endpoints_file="/nonexistent/engines.json"))
+    with TestClient(build_app(gateway)) as client:  # the app and its gateway, in this process, no engines
+        assert client.get("/ready").status_code == 200  # no picker in this process (None): as ever
+        gateway.picker_serving = False  # as serve_picker_only sets it before the picker listens and as it drains
+        r = client.get("/ready")
+        assert r.status_code == 503 and r.json()["status"] == "picker not serving"
+        gateway.picker_serving = True
+        assert client.get("/ready").json()["status"] == "ready"
