@@ -76,7 +76,7 @@ class Gateway:
         self.pool = EndpointPool(self.config.eject_after_failures, self.config.eject_seconds)
         # Envoy's modes: False until the endpoint picker listens (the app starts first: its startup starts what the
         # picker needs) and again once it drains; /ready is 503 meanwhile. None: no picker in this process.
-        self.picker_serving: bool | None = None
+        self.picker_serving: bool | None = None if self.config.data_plane == "python" else False
 
     # ---- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:

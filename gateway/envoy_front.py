@@ -58,7 +58,6 @@ def _free_port() -> int:
 
 async def serve_with_envoy(gateway: Gateway, host: str, port: int, drain_timeout: float) -> int:
     config = gateway.config
-    gateway.picker_serving = False
     app_port, picker_port, admin_port = _free_port(), _free_port(), _free_port()
     server = uvicorn.Server(server_config(build_app(gateway), "127.0.0.1", app_port, drain_timeout,
                                           config.http_limits, backlog=4096))
@@ -80,7 +79,6 @@ async def serve_with_envoy(gateway: Gateway, host: str, port: int, drain_timeout
         "--log-path", str(run_dir / "envoy.log"), preexec_fn=_die_with_parent)
     feed = EnvoyFeed(gateway.pool, gateway.metrics)  # Envoy's access log: usage, status, outcomes
     picker, _, _ = await start_network_picker(gateway, "127.0.0.1", picker_port, feed)  # Envoy is its only client
-    gateway.picker_serving = True
     print(f"kvfleet gateway: Envoy serves http://{host}:{port} (picker on 127.0.0.1:{picker_port}, "
           f"Envoy log {run_dir / 'envoy.log'})", file=sys.stderr, flush=True)
     exited = asyncio.create_task(envoy.wait())

@@ -64,12 +64,12 @@ async def start_network_picker(gateway: Gateway, host: str, port: int, feed: Env
     await server.start()
     for service in ("", EXT_PROC_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    gateway.picker_serving = True  # /ready says so too
     return server, picker, health_servicer
 
 
 async def serve_picker_only(gateway: Gateway, host: str, port: int, drain_timeout: float) -> int:
     config = gateway.config
-    gateway.picker_serving = False
     server = uvicorn.Server(server_config(build_app(gateway), host, port, drain_timeout, config.http_limits,
                                           backlog=4096))
     serving = asyncio.create_task(server.serve())
@@ -89,7 +89,6 @@ async def serve_picker_only(gateway: Gateway, host: str, port: int, drain_timeou
         endpoints = asyncio.create_task(EndpointsFile(gateway.pool, Path(config.envoy_endpoints_file)).run())
     grpc_server, picker, health_servicer = await start_network_picker(gateway, picker_host, config.picker_port,
                                                                        feed)
-    gateway.picker_serving = True
     print(f"kvfleet gateway: endpoint picker (ext_proc, grpc.health.v1) on {picker_host}:{config.picker_port}; "
           "Envoy runs apart from this process", file=sys.stderr, flush=True)
     stop_asked = asyncio.create_task(asked_to_stop.wait())
@@ -114,7 +113,7 @@ async def _drain_picker(grpc_server: grpc.aio.Server, picker: CountedPicker,
     """Health says NOT_SERVING (Envoy stops opening streams here); open streams get drain_timeout, then Envoy's
     last access-log entries a flush interval."""
     await health_servicer.enter_graceful_shutdown()
-    picker.gateway.picker_serving = False  # /ready says so too
+    picker.gateway.picker_serving = False
     loop = asyncio.get_running_loop()
     deadline = loop.time() + drain_timeout
     while picker.open_streams and loop.time() < deadline:

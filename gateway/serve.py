@@ -15,10 +15,10 @@ from kvfleet.gateway.config import GatewayConfig
 
 def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30.0) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
-    gateway = Gateway(config)
-    _attach_access_control(gateway)
     if config.data_plane == "envoy" and _no_envoy_here():
         config.data_plane = "python"
+    gateway = Gateway(config)
+    _attach_access_control(gateway)
     if config.data_plane == "envoy":
         from kvfleet.gateway.envoy_front import serve_with_envoy
 

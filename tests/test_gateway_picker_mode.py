@@ -160,11 +160,11 @@ def test_ready_is_503_while_the_picker_does_not_serve() -> None:
     from kvfleet.gateway.app import Gateway, build_app
     from kvfleet.gateway.config import GatewayConfig
 
+    with TestClient(build_app(Gateway(GatewayConfig(data_plane="python")))) as client:
+        assert client.get("/ready").status_code == 200  # no picker in this process: as ever
     gateway = Gateway(GatewayConfig(data_plane="envoy-sidecar", envoy_endpoints_file="/nonexistent/engines.json"))
     with TestClient(build_app(gateway)) as client:  # the app and its gateway, in this process, no engines
-        assert client.get("/ready").status_code == 200  # no picker in this process (None): as ever
-        gateway.picker_serving = False  # as serve_picker_only sets it before the picker listens and as it drains
-        r = client.get("/ready")
+        r = client.get("/ready")  # the picker is not listening yet (start_network_picker turns it on)
         assert r.status_code == 503 and r.json()["status"] == "picker not serving"
         gateway.picker_serving = True
         assert client.get("/ready").json()["status"] == "ready"
