@@ -1,4 +1,5 @@
-"""ASGI middleware: with a shared token set, every /v1/* route needs `Authorization: Bearer <token>`.
+"""ASGI middleware: with a shared token set, every /v1/* route and the KV-event stream (it carries prompts' token
+ids) need `Authorization: Bearer <token>`.
 
 /health, /ready and /metrics stay open (probes and Prometheus; a NetworkPolicy guards them). The token is compared in
 constant time; a missing or wrong one gets a 401 in OpenAI's error shape.
@@ -12,9 +13,10 @@ import json
 from kvfleet.fleet.engine_settings import ENGINE_API_KEY_ENV
 from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.headers import AUTHORIZATION
+from kvfleet.fleet.kv_events import KV_EVENTS_PATH
 
 _AUTHORIZATION = AUTHORIZATION.encode()
-PROTECTED_PREFIX = "/v1/"
+PROTECTED_PREFIXES = ("/v1/", KV_EVENTS_PATH)
 
 
 def is_authorized(authorization: bytes | None, token: bytes) -> bool:
@@ -31,7 +33,7 @@ class EngineAPIKey:
         self.token = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope.get("path", "").startswith(PROTECTED_PREFIX):
+        if scope["type"] == "http" and scope.get("path", "").startswith(PROTECTED_PREFIXES):
             headers = [value for name, value in scope.get("headers") or [] if name == _AUTHORIZATION]
             if len(headers) != 1 or not is_authorized(headers[0], self.token):
                 await _unauthorized(send)

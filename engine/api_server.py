@@ -23,6 +23,8 @@ from pydantic import BaseModel
 
 from kvfleet.engine.api_key import EngineAPIKey
 from kvfleet.engine.async_engine import AsyncEngine, EngineDeadError
+from kvfleet.engine.kv_event_hub import KVEventHub
+from kvfleet.engine.kv_events_api import install_kv_event_routes
 from kvfleet.engine.llm_engine import RequestError
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.openai_responses import Reply, chat_body, chat_events, completion_body, completion_events, sse
@@ -60,6 +62,7 @@ class ServerState:
     metrics: EngineMetrics = field(init=False)
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    kv_events: KVEventHub = field(default_factory=KVEventHub)  # the engine publishes into it once loaded
 
     def __post_init__(self) -> None:
         self.metrics = EngineMetrics(lambda: self.engine.engine.stats() if self.engine is not None else None)
@@ -132,6 +135,8 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
         return {"object": "list", "data": [
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvfleet"},
         ]}
+
+    install_kv_event_routes(app, state)
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):

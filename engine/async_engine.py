@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from kvfleet.engine.kv_event_hub import KVEventHub
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.outputs import RequestOutput
@@ -35,10 +36,16 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, log_prompts: bool = False) -> None:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, log_prompts: bool = False,
+                 kv_events: KVEventHub | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.log_prompts = log_prompts
+        self.kv_events = kv_events  # where the prefix cache's block events go after each step
+        if kv_events is not None:
+            if engine.block_manager.events is None:
+                engine.block_manager.events = []
+            kv_events.publish(engine.block_manager.take_events())  # what the warm-up cached
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -112,6 +119,8 @@ class AsyncEngine:
                 for out in outputs:
                     if out.finished:
                         self.metrics.observe_finished(out)
+            if self.kv_events is not None:
+                self.kv_events.publish(self.engine.block_manager.take_events())
             for out in outputs:
                 if out.finished:
                     prompt = self.engine.tokenizer.decode(out.prompt_token_ids) if self.log_prompts else None

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvfleet.engine.sequence import Sequence
+from kvfleet.fleet.kv_events import BlockRemoved, BlockStored, KVEvent, block_name
 
 # A random root per process: no prompt can be crafted offline to share another's block hashes.
 _HASH_ROOT = os.urandom(32)
@@ -41,6 +42,12 @@ class BlockManager:
         self.cached_blocks: dict[bytes, int] = {}  # block hash -> block id
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
+        # what the prefix cache stored and evicted since take_events(), when someone listens (engine/kv_event_hub.py)
+        self.events: list[KVEvent] | None = None
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events or []
 
     @property
     def num_blocks(self) -> int:
@@ -119,11 +126,28 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         hashes = self._block_hashes(seq, num_full)
+        stored: list[int] = []
         for index in range(num_full):
             block = self.blocks[seq.block_table[index]]
             if block.block_hash is None and hashes[index] not in self.cached_blocks:
                 block.block_hash = hashes[index]
                 self.cached_blocks[hashes[index]] = block.block_id
+                stored.append(index)
+        if stored and self.events is not None:
+            self._record_stored(seq, hashes, stored)
+
+    def _record_stored(self, seq: Sequence, hashes: list[bytes], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks, naming the block before the run as its parent."""
+        size, start = self.block_size, 0
+        for i in range(1, len(stored) + 1):
+            if i < len(stored) and stored[i] == stored[i - 1] + 1:
+                continue
+            first, last = stored[start], stored[i - 1]
+            self.events.append(BlockStored(
+                tuple(block_name(h) for h in hashes[first:last + 1]),
+                block_name(hashes[first - 1]) if first else None,
+                tuple(seq.token_ids_slice(first * size, (last + 1) * size)), size))
+            start = i
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -137,6 +161,8 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) == block_id:
                 del self.cached_blocks[block.block_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved((block_name(block.block_hash),)))
             block.block_hash = None
         block.ref_count = 1
         return block_id

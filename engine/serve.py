@@ -23,6 +23,8 @@ def _load(config: EngineConfig, state: ServerState, server: uvicorn.Server, url:
           log_prompts: bool) -> None:
     try:
         engine = LLMEngine(config)
+        if config.kv_events and config.enable_prefix_caching:
+            engine.block_manager.events = []  # from the warm-up on, so the first subscriber's snapshot is whole
         # Warm-up: one batch through the model before /ready says yes.
         engine.generate([[engine.tokenizer.bos_token_id or 0] * 8],
                         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -34,7 +36,8 @@ def _load(config: EngineConfig, state: ServerState, server: uvicorn.Server, url:
         failure.append(err)
         server.should_exit = True
         return
-    state.engine = AsyncEngine(engine, state.metrics, log_prompts)
+    hub = state.kv_events if engine.block_manager.events is not None else None
+    state.engine = AsyncEngine(engine, state.metrics, log_prompts, hub)
     print(f"kvfleet engine ready: {url} (model {state.model_name})", file=sys.stderr, flush=True)
 
 
@@ -51,6 +54,7 @@ class DrainingServer(uvicorn.Server):
             log.info("signal %s: draining in-flight requests (up to %ss)", sig,
                      self.config.timeout_graceful_shutdown)
         self.state.draining = True
+        self.state.kv_events.end_all()  # its streams never end by themselves
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signal after shutting down; a finished drain should exit 0 instead.
         self._captured_signals.clear()

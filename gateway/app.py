@@ -32,8 +32,9 @@ from kvfleet.gateway.admission import Action, admit, retry_after_seconds
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.fleet_queue import FleetQueue, Outcome
+from kvfleet.gateway.kv_events_client import KVEventFollower
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.prefix import PrefixAffinity, prompt_text
+from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys, Tokenize
 from kvfleet.gateway.proxy import Forwarder
 from kvfleet.gateway.routing import available, free_slots
 from kvfleet.gateway.scraper import Scraper
@@ -50,7 +51,7 @@ class Admitted:
 
     body: bytes
     changed: bool
-    hashes: list[bytes]
+    hashes: PromptKeys
     settlement: Settlement | None
 
 
@@ -61,7 +62,9 @@ class Gateway:
     config: GatewayConfig
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     pool: EndpointPool = field(init=False)
-    prefix: PrefixAffinity = field(default_factory=PrefixAffinity)
+    tokenize: Tokenize | None = None  # the engines' tokenizer (kvfleet/prompt_tokens.py): the precise prefix index
+    prefix: PrefixRouting = field(init=False)
+    kv_events: KVEventFollower | None = None
     client: httpx.AsyncClient | None = None
     queue: FleetQueue | None = None
     scraper: Scraper | None = None
@@ -74,6 +77,7 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.pool = EndpointPool(self.config.eject_after_failures, self.config.eject_seconds)
+        self.prefix = PrefixRouting(self.tokenize)
         # Envoy's modes: False until the endpoint picker listens (the app starts first: its startup starts what the
         # picker needs) and again once it drains; /ready is 503 meanwhile. None: no picker in this process.
         self.picker_serving: bool | None = None if self.config.data_plane == "python" else False
@@ -96,6 +100,8 @@ class Gateway:
         self.forwarder = Forwarder(c, self.client, self.pool, self.prefix, self.metrics)
         self.scraper = Scraper(self.pool, c.scrape_interval_s, on_scrape=lambda url: self.poke(),
                                unreachable_after_s=c.engine_unreachable_after_s)
+        if self.tokenize is not None and c.routing == "kvfleet":  # without tokens the index could not be looked up
+            self.kv_events = KVEventFollower(self.pool, self.prefix.index, self.metrics, c.engine_api_key)
         self.discovery = self.discovery or _discovery(c)
         self._tasks.append(asyncio.create_task(self.discovery.run(self.set_endpoints), name="discovery"))
         self._tasks.append(asyncio.create_task(self._release_ticker(), name="release ticker"))
@@ -106,6 +112,8 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.scraper:
             await self.scraper.stop()
+        if self.kv_events:
+            await self.kv_events.stop()
         if self.queue:
             await self.queue.stop()
         if self.client:
@@ -118,6 +126,8 @@ class Gateway:
         if added or removed:
             log.info("engines: %d (+%s -%s)", len(self.pool.endpoints), sorted(added), sorted(removed))
         self.scraper.sync()
+        if self.kv_events:
+            self.kv_events.sync()
 
     # ---- releasing queued requests --------------------------------------------------------------------------
     def poke(self) -> None:
@@ -196,7 +206,7 @@ class Gateway:
             validate_request(path, body)
         except RequestSchemaError as err:
             raise APIError(400, err.message, param=err.param) from None
-        hashes = self.prefix.block_hashes(prompt_text(body)) if self.config.routing == "kvfleet" else []
+        hashes = self.prefix.keys(path, body) if self.config.routing == "kvfleet" else PromptKeys([])
         settlement = await self._limit(key, body)
         # the trust rule (kvfleet.fleet.priority): a body's priority reaches the engine only from a trusted key
         engine_priority = forwarded_engine_priority(priority, body.get("priority"),

@@ -53,6 +53,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                                                      "sheddable=100 (over the cap: 429)")
     r = p.add_argument_group("routing")
     r.add_argument("--routing", choices=ROUTING_STRATEGIES, default=d0.routing)
+    r.add_argument("--tokenizer", default=d0.tokenizer, metavar="MODEL",
+                   help="the engines' model (a built-in name such as smollm2-135m-instruct, or a local HF directory): "
+                        "prompts are tokenized as the engines do and routed by the blocks the engines' KV events "
+                        "say they hold; without it, by an approximate table of prompt characters")
     r.add_argument("--weight-queue", type=float, default=d0.weights.queue)
     r.add_argument("--weight-kv", type=float, default=d0.weights.kv)
     r.add_argument("--weight-prefix", type=float, default=d0.weights.prefix)
@@ -109,6 +113,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         engines=args.engine, k8s_namespace=args.k8s_namespace, k8s_selector=args.k8s_selector,
         k8s_port_name=args.k8s_port_name, fleet=args.fleet, redis_url=args.redis_url, routing=args.routing,
+        tokenizer=args.tokenizer,
         weights=ScoreWeights(args.weight_queue, args.weight_kv, args.weight_prefix),
         saturation=SaturationPolicy(args.saturation_queue, args.saturation_kv, args.max_metrics_age_ms / 1000.0),
         scrape_interval_s=args.scrape_interval_ms / 1000.0, default_max_queue_ms=args.max_queue_ms,

@@ -30,6 +30,7 @@ class GatewayConfig:
     redis_url: str | None = None
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     routing: str = "kvfleet"
+    tokenizer: str | None = None  # the engines' model: prompts are tokenized as they do, for the precise prefix index
     weights: ScoreWeights = field(default_factory=ScoreWeights)
     saturation: SaturationPolicy = field(default_factory=SaturationPolicy)
     scrape_interval_s: float = 0.075

@@ -141,8 +141,7 @@ class EndpointPicker(ExternalProcessorServicer):
                            headers={headers.RETRY_AFTER: "1"})
         gateway.pool.record_dispatch(url)
         gateway.metrics.labelled(gateway.metrics.routed, url).inc()
-        if admitted.hashes:
-            gateway.prefix.record(admitted.hashes, url)
+        gateway.prefix.record(admitted.hashes, url)
         message = route_to(urls, admitted.body if admitted.changed else None, gateway.config.engine_api_key,
                            request_id)
         if self.feed is not None:  # the ticket Envoy's access log entry brings back with the answer's usage

@@ -31,6 +31,12 @@ class GatewayMetrics:
         self.scrape_age = Gauge("kvfleet_gateway_scrape_age_seconds", "Age of each engine's last good scrape",
                                 ["endpoint"], registry=r)
         self.endpoints = Gauge("kvfleet_gateway_endpoints", "Engines by state", ["state"], registry=r)
+        self.kv_index_blocks = Gauge("kvfleet_gateway_kv_index_blocks",
+                                     "Prefix-cache blocks each engine holds, as its KV events report them",
+                                     ["endpoint"], registry=r)
+        self.kv_event_lag = Histogram("kvfleet_gateway_kv_event_lag_seconds",
+                                      "Time from an engine publishing a KV-event batch to this gateway applying it",
+                                      buckets=LATENCY_BUCKETS, registry=r)
         self.redis_up = Gauge("kvfleet_gateway_redis_up",
                               "1 while the fleet queue is in Redis, 0 while this replica queues in-process",
                               registry=r)

@@ -25,7 +25,7 @@ from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.failure_class import AnswerClass, classify
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.prefix import PrefixAffinity
+from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys
 from kvfleet.gateway.routing import RoutingContext, pick, strategy_named
 from kvfleet.gateway.usage import Settlement, StreamUsageMeter, answer_usage
 
@@ -67,12 +67,12 @@ def sse_error_event(message: str, code: str = "upstream_error") -> bytes:
 
 class Forwarder:
     def __init__(self, config: GatewayConfig, client: httpx.AsyncClient, pool: EndpointPool,
-                 prefix: PrefixAffinity, metrics: GatewayMetrics, rng: random.Random | None = None):
+                 prefix: PrefixRouting, metrics: GatewayMetrics, rng: random.Random | None = None):
         self.config, self.client, self.pool, self.prefix, self.metrics = config, client, pool, prefix, metrics
         self.rng = rng or random.Random()
         self._counter = 0
 
-    def choose(self, hashes: list[bytes], exclude: frozenset[str] = frozenset(), must: bool = False) -> str | None:
+    def choose(self, hashes: PromptKeys, exclude: frozenset[str] = frozenset(), must: bool = False) -> str | None:
         self._counter += 1
         strategy = strategy_named(self.config.routing, self.config.weights, self.config.saturation)
         request = RoutingContext(self.prefix.matches(hashes), exclude, must, turn=self._counter)
@@ -80,7 +80,7 @@ class Forwarder:
         return chosen.url if chosen else None
 
     async def forward(self, path: str, raw_body: bytes, headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str],
-                      request_id: str, hashes: list[bytes],
+                      request_id: str, hashes: PromptKeys,
                       on_tokens: Settlement | None) -> Response:
         """Sends to the chosen engine; an engine fault or a busy answer is retried once elsewhere, an answer the
         request caused (4xx, unmarked 5xx) is returned as it is."""

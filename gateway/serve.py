@@ -11,13 +11,16 @@ import uvicorn
 from kvfleet.fleet.http_server import server_config
 from kvfleet.gateway.app import Gateway, build_app
 from kvfleet.gateway.config import GatewayConfig
+from kvfleet.gateway.prefix_routing import Tokenize
 
 
-def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30.0) -> int:
+def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30.0,
+          tokenize: Tokenize | None = None) -> int:
+    """`tokenize`: the engines' tokenizer for config.tokenizer, built by the caller (kvfleet/prompt_tokens.py)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
     if config.data_plane == "envoy" and _no_envoy_here():
         config.data_plane = "python"
-    gateway = Gateway(config)
+    gateway = Gateway(config, tokenize=tokenize)
     _attach_access_control(gateway)
     if config.data_plane == "envoy":
         from kvfleet.gateway.envoy_front import serve_with_envoy

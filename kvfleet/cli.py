@@ -78,8 +78,10 @@ def _add_engine_command(sub: argparse._SubParsersAction) -> None:
 def _gateway(args: argparse.Namespace) -> int:
     from kvfleet.gateway.cli_args import gateway_config_from_args
     from kvfleet.gateway.serve import serve
+    from kvfleet.prompt_tokens import prompt_tokenizer
 
-    return serve(gateway_config_from_args(args), args.host, args.port)
+    config = gateway_config_from_args(args)
+    return serve(config, args.host, args.port, tokenize=prompt_tokenizer(config.tokenizer))
 
 
 def _add_gateway_command(sub: argparse._SubParsersAction) -> None:

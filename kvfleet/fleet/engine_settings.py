@@ -72,6 +72,8 @@ class EngineSettings:
     gpu_memory_utilization: float = setting(0.9, help="fraction of GPU memory for weights, activations and KV cache",
                                             crd=CrdField("gpuMemoryUtilization", 0.05, 1.0))
     enable_prefix_caching: bool = setting(True, help="share KV blocks between requests with a common prefix")
+    kv_events: bool = setting(True, help="stream the prefix cache's block events on /kv_events (gateways route "
+                                         "by them)")
     dtype: str = setting("auto", help="auto: float32 on CPU, bfloat16/float16 on GPU", choices=DTYPES)
     device: str = setting("auto", help="auto, cpu or cuda[:N]")
     seed: int = setting(0)
