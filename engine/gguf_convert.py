@@ -134,10 +134,10 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
     _write_json(out_dir / "config.json", config)
     generation_config = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     _write_json(out_dir / "generation_config.json", generation_config)
-    _save_tokenizer(gguf_path, out_dir)
+    save_tokenizer(gguf_path, out_dir)
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+def save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoTokenizer  # heavy import, only needed while converting
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)

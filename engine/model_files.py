@@ -72,6 +72,33 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
     )
 
 
+def resolve_tokenizer(model: str, cache_dir: Path | None = None) -> Path:
+    """A directory with the model's tokenizer files, without converting a packaged model's weights (a gateway
+    tokenizes prompts; it never loads the model)."""
+    known = KNOWN_MODELS.get(model.strip().lower())
+    if known is None:
+        path = Path(model).expanduser()
+        if path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES):
+            return path.resolve()
+        return resolve_model(model, cache_dir)
+    gguf_path = packaged_gguf_path(known)
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final_dir = cache_dir / "tokenizers" / f"{known.name}-{gguf_fingerprint(gguf_path)}"
+    if not final_dir.is_dir():
+        final_dir.parent.mkdir(parents=True, exist_ok=True)
+        build_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.building-", dir=final_dir.parent))
+        try:
+            from kvfleet.engine.gguf_convert import save_tokenizer
+
+            save_tokenizer(gguf_path, build_dir)
+            make_readable(build_dir)
+        except BaseException:
+            shutil.rmtree(build_dir, ignore_errors=True)
+            raise
+        install_dir(build_dir, final_dir)
+    return final_dir
+
+
 def packaged_gguf_path(model: PackagedModel) -> Path:
     """Where the installed package keeps the model's GGUF file."""
     spec = importlib.util.find_spec(model.package)  # never import it: its __init__ needs other packages

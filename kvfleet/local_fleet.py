@@ -104,7 +104,8 @@ class LocalFleet:
             self._wait_ready(engine, "/ready")
         engine_flags = [flag for e in self.engines for flag in ("--engine", e.url)]
         args = ["gateway", "--host", s.host, "--port", str(s.port), "--redis-url", self.redis.url,
-                "--fleet", s.fleet, "--routing", s.routing, *engine_flags, *s.gateway_args]
+                "--fleet", s.fleet, "--routing", s.routing, "--tokenizer", str(model_dir), *engine_flags,
+                *s.gateway_args]  # the engines' tokenizer: prompts are routed by the blocks the engines report
         self.gateway = self._spawn("gateway", args, self.url, env)
         self._wait_ready(self.gateway, "/ready")  # with Envoy: once its endpoint picker listens
 

@@ -212,6 +212,9 @@ gateway container alone (the bootstrap needs no secret). */}}
 - --k8s-namespace={{ include "kvfleet.gateway.fleetNamespace" . }}
 - --k8s-selector=kvfleet.io/fleet={{ $g.fleet }}
 - --routing={{ $g.routing }}
+{{- with $g.tokenizer }}
+- --tokenizer={{ . }}
+{{- end }}
 - --max-queue-ms={{ $g.maxQueueMs }}
 {{- with $g.queueCaps }}
 - --queue-caps={{ . }}
