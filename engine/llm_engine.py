@@ -51,6 +51,8 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     max_num_seqs: int = 0
+    prefill_tokens_pending: int = 0
+    prefill_tokens_per_second: float = 0.0  # 0: not measured yet
 
 
 class LLMEngine:
@@ -85,6 +87,10 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_batch_size = 0  # sequences in the latest step, for the batch-size metric
+        # What a gateway needs to estimate a new request's time to first token (gateway/routing.py EstimatedTTFT):
+        # prompt tokens still to compute, and how fast steps have been computing them. Written by the engine thread.
+        self.prefill_tokens_pending = 0
+        self.prefill_rate = 0.0
 
     def _plan_kv_cache(self) -> KVCapacity:
         per_block = self.backend.bytes_per_block()
@@ -144,6 +150,7 @@ class LLMEngine:
             raise RequestError(f"request id {seq.request_id!r} is already in flight; use a unique id")
         self.scheduler.add(seq)
         self.requests[seq.request_id] = RequestState(seq, self.tokenizer, self.max_model_len)
+        self.prefill_tokens_pending += seq.num_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0) -> None:
@@ -175,7 +182,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self.last_batch_size = len(plan.scheduled)
         if plan.is_empty:
+            self.prefill_tokens_pending = self.scheduler.prefill_tokens_pending()
             return outputs
+        started = time.perf_counter()
         now = time.monotonic()
         for seq, _ in plan.scheduled:
             if seq.first_scheduled_time is None:
@@ -193,7 +202,16 @@ class LLMEngine:
                 outputs.append(state.make_output())
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
+        self._measure_prefill(plan, time.perf_counter() - started)
         return outputs
+
+    def _measure_prefill(self, plan, seconds: float) -> None:  # noqa: ANN001 - scheduler.SchedulerOutput
+        """Prompt tokens computed per second in steps that computed at least a block of them (a moving average)."""
+        self.prefill_tokens_pending = self.scheduler.prefill_tokens_pending()
+        prefill = sum(n for _, n in plan.scheduled if n > 1)
+        if prefill >= self.config.block_size and seconds > 0:
+            rate = prefill / seconds
+            self.prefill_rate = rate if not self.prefill_rate else 0.7 * self.prefill_rate + 0.3 * rate
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         result = self._sample_isolating_failures(seqs, logits)
@@ -284,6 +302,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits, max_num_seqs=self.config.max_num_seqs,
+            prefill_tokens_pending=self.prefill_tokens_pending, prefill_tokens_per_second=self.prefill_rate,
         )
 
     # --- offline use --------------------------------------------------------------------------

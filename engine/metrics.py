@@ -37,6 +37,11 @@ class _StatsCollector(Collector):
             names.NUM_REQUESTS_WAITING: ("requests waiting to be admitted", stats.num_waiting),
             names.MAX_NUM_SEQS: ("the most requests the engine runs at once (--max-num-seqs)",
                                  stats.max_num_seqs),
+            names.PREFILL_TOKENS_PENDING: ("prompt tokens waiting or part-computed, to compute before their "
+                                           "requests' first tokens", stats.prefill_tokens_pending),
+            names.PREFILL_TOKENS_PER_SECOND: ("prompt tokens computed per second in recent steps that computed "
+                                              "prompts (a moving average; 0 until measured)",
+                                              stats.prefill_tokens_per_second),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -61,6 +61,13 @@ class Scheduler:
     def waiting(self) -> list[Sequence]:
         return [seq for _, seq in sorted(self._waiting, key=lambda item: item[0])]
 
+    def prefill_tokens_pending(self) -> int:
+        """Prompt tokens (and a preempted sequence's tokens) still to compute before each sequence's next token."""
+        waiting = sum(seq.num_tokens - seq.num_computed_tokens for _, seq in self._waiting)
+        # a decoding sequence has one token to compute (the one it just sampled): that is decode, not prefill
+        left = (seq.num_tokens - seq.num_computed_tokens for seq in self.running)
+        return waiting + sum(n for n in left if n > 1)
+
     def has_work(self) -> bool:
         return bool(self._waiting or self.running)
 

@@ -36,7 +36,7 @@ from kvfleet.gateway.kv_events_client import KVEventFollower
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys, Tokenize
 from kvfleet.gateway.proxy import Forwarder
-from kvfleet.gateway.routing import available, free_slots
+from kvfleet.gateway.routing import PREFIX_STRATEGIES, available, free_slots
 from kvfleet.gateway.scraper import Scraper
 from kvfleet.gateway.usage import Settlement, ask_stream_usage
 
@@ -100,7 +100,7 @@ class Gateway:
         self.forwarder = Forwarder(c, self.client, self.pool, self.prefix, self.metrics)
         self.scraper = Scraper(self.pool, c.scrape_interval_s, on_scrape=lambda url: self.poke(),
                                unreachable_after_s=c.engine_unreachable_after_s)
-        if self.tokenize is not None and c.routing == "kvfleet":  # without tokens the index could not be looked up
+        if self.tokenize is not None and c.routing in PREFIX_STRATEGIES:  # without tokens, no index lookups
             self.kv_events = KVEventFollower(self.pool, self.prefix.index, self.metrics, c.engine_api_key)
         self.discovery = self.discovery or _discovery(c)
         self._tasks.append(asyncio.create_task(self.discovery.run(self.set_endpoints), name="discovery"))
@@ -152,7 +152,7 @@ class Gateway:
             return
         for _, owner in await self.queue.release(min(slots, total)):
             if owner != self.config.gateway_id:  # another replica sends it; count it where it will likely go
-                url = self.forwarder.choose([], must=True)
+                url = self.forwarder.choose(PromptKeys([]), must=True)
                 if url is not None:
                     self.pool.record_expected(url)
 
@@ -206,7 +206,7 @@ class Gateway:
             validate_request(path, body)
         except RequestSchemaError as err:
             raise APIError(400, err.message, param=err.param) from None
-        hashes = self.prefix.keys(path, body) if self.config.routing == "kvfleet" else PromptKeys([])
+        hashes = self.prefix.keys(path, body) if self.config.routing in PREFIX_STRATEGIES else PromptKeys([])
         settlement = await self._limit(key, body)
         # the trust rule (kvfleet.fleet.priority): a body's priority reaches the engine only from a trusted key
         engine_priority = forwarded_engine_priority(priority, body.get("priority"),
@@ -361,7 +361,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         await gateway._limit(authenticate(gateway.keys, request.headers), None)
-        url = gateway.forwarder.choose([], must=True)
+        url = gateway.forwarder.choose(PromptKeys([]), must=True)
         if url is None:
             raise APIError(503, "no engine is available yet; retry shortly", "service_unavailable",
                            code="no_engine", headers={headers.RETRY_AFTER: "1"})

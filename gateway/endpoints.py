@@ -18,6 +18,7 @@ class EndpointState:
     scraped_at: float | None = None  # monotonic time of the last successful scrape
     scrape_error: str | None = None
     dispatched_since_scrape: int = 0
+    tokens_since_scrape: int = 0  # prompt tokens of those requests
     open_requests: int = 0
     consecutive_failures: int = 0
     ejected_until: float = 0.0
@@ -59,7 +60,7 @@ class EndpointPool:
             state.scrape_error = error
             return
         state.load, state.scraped_at, state.scrape_error = load, now or time.monotonic(), None
-        state.dispatched_since_scrape = 0
+        state.dispatched_since_scrape = state.tokens_since_scrape = 0
 
     def mark_unreachable(self, url: str, error: str, silent_s: float) -> int:
         """The engine stopped answering even its /metrics: unhealthy, and each wait on it that has itself seen
@@ -85,16 +86,19 @@ class EndpointPool:
         if state is not None:
             state.waits.pop(wait, None)
 
-    def record_expected(self, url: str) -> None:
+    def record_expected(self, url: str, tokens: int = 0) -> None:
         """Another replica is about to send this engine a request: count it like one of ours until the scrape."""
         state = self.endpoints.get(url)
         if state is not None:
             state.dispatched_since_scrape += 1
+            state.tokens_since_scrape += tokens
 
-    def record_dispatch(self, url: str) -> None:
+    def record_dispatch(self, url: str, tokens: int = 0) -> None:
+        """A request (of `tokens` prompt tokens, when known) sent to the engine."""
         state = self.endpoints.get(url)
         if state is not None:
             state.dispatched_since_scrape += 1
+            state.tokens_since_scrape += tokens
             state.open_requests += 1
 
     def record_done(self, url: str, ok: bool | None, now: float | None = None) -> bool:
@@ -137,7 +141,9 @@ class EndpointPool:
                 num_waiting=load.num_waiting if load else 0,
                 num_running=load.num_running if load else 0,
                 metrics_age_s=now - s.scraped_at if s.scraped_at is not None else float("inf"),
-                in_flight=unseen(s), max_num_seqs=load.max_num_seqs if load else None))
+                in_flight=unseen(s), max_num_seqs=load.max_num_seqs if load else None,
+                prefill_tokens_pending=load.prefill_tokens_pending if load else 0,
+                prefill_rate=load.prefill_tokens_per_second if load else None, in_flight_tokens=s.tokens_since_scrape))
         return out
 
 

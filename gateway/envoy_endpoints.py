@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.envoy_config import ENGINES_CLUSTER
+from kvfleet.gateway.prefix_routing import PromptKeys
 from kvfleet.gateway.proxy import Forwarder
 from kvfleet.gateway.routing import RoutingContext, pick, strategy_named
 
@@ -47,7 +48,7 @@ def in_subset(address: str, subset: frozenset[str]) -> bool:
     return address in subset or address.rsplit(":", 1)[0].strip("[]") in subset
 
 
-def pick_destinations(forwarder: Forwarder, hashes: list[bytes], subset: frozenset[str] | None = None) -> list[str]:
+def pick_destinations(forwarder: Forwarder, hashes: PromptKeys, subset: frozenset[str] | None = None) -> list[str]:
     """The engine the gateway's routing picks (unchanged), then the next best for Envoy's retry, all within the
     subset hint when the proxy sent one; empty when no healthy engine may serve. The request was admitted (the
     fleet had room, or it was released from the queue): a saturated engine is picked rather than none, as the
@@ -64,7 +65,8 @@ def pick_destinations(forwarder: Forwarder, hashes: list[bytes], subset: frozens
     snapshots = forwarder.pool.snapshots()
     for _ in range(FALLBACKS):
         # turn 0: round-robin's rotation belongs to the first choices; a fallback is only used when one fails
-        context = RoutingContext(forwarder.prefix.matches(hashes), outside | frozenset(urls), must=True, turn=0)
+        context = RoutingContext(forwarder.prefix.matches(hashes), outside | frozenset(urls), must=True, turn=0,
+                                 num_tokens=hashes.est_tokens)
         fallback = pick(strategy, snapshots, context, forwarder.rng)
         if fallback is None:
             break

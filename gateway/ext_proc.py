@@ -139,7 +139,7 @@ class EndpointPicker(ExternalProcessorServicer):
                 admitted.settlement.refund()  # nothing will be generated, as the Python proxy refunds
             raise APIError(503, "no engine is available; retry later", "service_unavailable", code="no_engine",
                            headers={headers.RETRY_AFTER: "1"})
-        gateway.pool.record_dispatch(url)
+        gateway.pool.record_dispatch(url, gateway.prefix.uncached_tokens(admitted.hashes, url))
         gateway.metrics.labelled(gateway.metrics.routed, url).inc()
         gateway.prefix.record(admitted.hashes, url)
         message = route_to(urls, admitted.body if admitted.changed else None, gateway.config.engine_api_key,

@@ -18,6 +18,7 @@ from kvfleet.gateway.prefix import PrefixAffinity, prompt_text
 # (path, parsed body) -> the prompt's token ids as the engines will see them, or None when it cannot say
 Tokenize = Callable[[str, dict], "list[int] | None"]
 DEFAULT_BLOCK_SIZE = 16  # for the recent layer before any engine has reported its block size
+CHARS_PER_TOKEN = 4  # English text in a BPE vocabulary, for a prompt the gateway does not tokenize
 RECENT_TTL_S = 3.0  # how long a dispatch counts before the engine's own events must say it
 
 
@@ -25,6 +26,7 @@ RECENT_TTL_S = 3.0  # how long a dispatch counts before the engine's own events 
 class PromptKeys:
     approx: list[bytes]  # chained hashes of the prompt's leading characters (gateway/prefix.py)
     num_tokens: int = 0  # 0: not tokenized
+    est_tokens: int = 0  # the prompt's length in tokens: num_tokens, or a guess from its characters
     precise: Mapping[int, list[bytes]] = field(default_factory=dict)  # block size -> chained token-block keys
 
 
@@ -72,16 +74,22 @@ class PrefixRouting:
         return self.tokenize is not None and bool(self.index.engines())
 
     def keys(self, path: str, body: dict) -> PromptKeys:
-        approx = self.approx.block_hashes(prompt_text(body))
+        text = prompt_text(body)
+        approx = self.approx.block_hashes(text)
+        guess = len(text) // CHARS_PER_TOKEN + 1
         if not self.precise:
-            return PromptKeys(approx)
+            return PromptKeys(approx, est_tokens=guess)
         token_ids = self.tokenize(path, body)
         if not token_ids:
-            return PromptKeys(approx)
+            return PromptKeys(approx, est_tokens=guess)
         sizes = set(self.index.block_sizes.values()) or {DEFAULT_BLOCK_SIZE}
         # an engine computes at least the prompt's last token: it caches at most (n - 1) // size full blocks
-        return PromptKeys(approx, len(token_ids),
-                          {size: chain_keys(token_ids[:(len(token_ids) - 1) // size * size], size) for size in sizes})
+        precise = {size: chain_keys(token_ids[:(len(token_ids) - 1) // size * size], size) for size in sizes}
+        return PromptKeys(approx, num_tokens=len(token_ids), est_tokens=len(token_ids), precise=precise)
+
+    def uncached_tokens(self, keys: PromptKeys, url: str) -> int:
+        """The prompt tokens the engine likely has to compute for it."""
+        return round(keys.est_tokens * (1.0 - self.matches(keys).get(url, 0.0)))
 
     def matches(self, keys: PromptKeys) -> dict[str, float]:
         """For each engine, the share of the prompt it likely holds in its prefix cache."""

@@ -75,7 +75,8 @@ class Forwarder:
     def choose(self, hashes: PromptKeys, exclude: frozenset[str] = frozenset(), must: bool = False) -> str | None:
         self._counter += 1
         strategy = strategy_named(self.config.routing, self.config.weights, self.config.saturation)
-        request = RoutingContext(self.prefix.matches(hashes), exclude, must, turn=self._counter)
+        request = RoutingContext(self.prefix.matches(hashes), exclude, must, turn=self._counter,
+                                 num_tokens=hashes.est_tokens)
         chosen = pick(strategy, self.pool.snapshots(), request, self.rng)
         return chosen.url if chosen else None
 
@@ -95,7 +96,8 @@ class Forwarder:
             if url is None:
                 break
             tried.add(url)
-            upstream = await self._send(url, path, raw_body, headers, request_id)
+            upstream = await self._send(url, path, raw_body, headers, request_id,
+                                        self.prefix.uncached_tokens(hashes, url))
             if isinstance(upstream, str):
                 last_error = upstream
                 self.metrics.retries.labels("connect_error" if attempt == 0 else "gave_up").inc()
@@ -119,8 +121,9 @@ class Forwarder:
                        code="no_engine", headers={RETRY_AFTER: "1"})
 
     async def _send(self, url: str, path: str, raw_body: bytes,
-                    headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str) -> Upstream | str:
-        self.pool.record_dispatch(url)
+                    headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str,
+                    tokens: int = 0) -> Upstream | str:
+        self.pool.record_dispatch(url, tokens)
         self.metrics.routed.labels(url).inc()
         sent_at = time.monotonic()
         request = self.client.build_request("POST", url + path, content=raw_body,

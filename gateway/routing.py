@@ -27,6 +27,9 @@ class EndpointSnapshot:
     metrics_age_s: float  # time since the last successful scrape
     in_flight: int = 0  # requests this gateway sent that the scrape does not show yet (endpoints.unseen)
     max_num_seqs: int | None = None  # the engine's batch capacity, when it exports it
+    prefill_tokens_pending: int = 0  # prompt tokens the engine has yet to compute (kvfleet engines export it)
+    prefill_rate: float | None = None  # prompt tokens per second its steps compute; None: not known
+    in_flight_tokens: int = 0  # prompt tokens of this gateway's dispatches since the scrape
 
     @property
     def queue_depth(self) -> int:
@@ -75,6 +78,7 @@ class RoutingContext:
     exclude: frozenset[str] = frozenset()  # engines already tried for this request
     must: bool = False  # released from the queue, or a retry: the least loaded healthy engine rather than none
     turn: int = 0  # this gateway's running count of decisions (round-robin rotates on it)
+    num_tokens: int = 0  # the prompt's length in tokens (estimated from its characters where not tokenized)
 
 
 def available(endpoints: Sequence[EndpointSnapshot], policy: SaturationPolicy) -> list[EndpointSnapshot]:
@@ -140,6 +144,41 @@ class RoundRobin:
         return healthy[request.turn % len(healthy)] if healthy else None
 
 
+@dataclass(frozen=True)
+class EstimatedTTFT:
+    """After Dynamo's KV router: each available engine's estimated time to this request's first token, the prompt
+    tokens it must compute first (its pending prefill, this gateway's dispatches it has not reported yet, and this
+    request's tokens not in its prefix cache) over the rate it computes them; the lowest wins. Engines within
+    tie_tolerance of the best are equals, one taken at random: replicas reading the same scrape do not all pick the
+    same one (with two near-equal engines, the better of two random choices would)."""
+
+    policy: SaturationPolicy = SaturationPolicy()
+    default_rate: float = 2000.0  # tokens/s for an engine that has not measured its own (vLLM pods, new engines)
+    tie_tolerance: float = 0.1  # relative
+    tie_floor_s: float = 0.0005  # estimates this close are a tie whatever their ratio
+
+    def estimate(self, e: EndpointSnapshot, request: RoutingContext, default_rate: float | None = None) -> float:
+        """Seconds of prefill ahead of this request's first token on e; `default_rate` for an unmeasured engine."""
+        uncached = request.num_tokens * (1.0 - request.prefix_matches.get(e.url, 0.0))
+        rate = e.prefill_rate or default_rate or self.default_rate
+        return (e.prefill_tokens_pending + e.in_flight_tokens + uncached) / rate
+
+    def choose(self, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
+               rng: random.Random) -> EndpointSnapshot | None:
+        candidates = available(endpoints, self.policy)
+        if not candidates:
+            return None
+        # an engine that has not measured its rate yet (just started, or idle since) is taken to be as fast as the
+        # median of those that have: fleets serve one model, and a constant would favour or shun it wrongly
+        rates = sorted(e.prefill_rate for e in endpoints if e.prefill_rate)
+        typical = rates[len(rates) // 2] if rates else None
+        estimates = [self.estimate(e, request, typical) for e in candidates]
+        best = min(estimates)
+        limit = max(best * (1.0 + self.tie_tolerance), best + self.tie_floor_s)
+        near = [e for t, e in zip(estimates, candidates, strict=True) if t <= limit]
+        return near[0] if len(near) == 1 else rng.choice(near)
+
+
 def weighted_scoring(weights: ScoreWeights, policy: SaturationPolicy) -> Strategy:
     return WeightedScoring(((weights.queue, QueueRoom(policy.max_queue)), (weights.kv, KVHeadroom()),
                             (weights.prefix, PrefixMatch())), policy)
@@ -150,7 +189,10 @@ STRATEGIES: dict[str, Callable[[ScoreWeights, SaturationPolicy], Strategy]] = {
     "kvfleet": weighted_scoring,
     "least-request": lambda weights, policy: LeastRequest(policy),
     "round-robin": lambda weights, policy: RoundRobin(),
+    "estimated-ttft": lambda weights, policy: EstimatedTTFT(policy),
 }
+# The strategies that read a prompt's prefix (the gateway computes its keys and follows KV events only for these).
+PREFIX_STRATEGIES = frozenset({"kvfleet", "estimated-ttft"})
 
 
 @cache

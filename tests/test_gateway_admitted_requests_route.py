@@ -14,7 +14,7 @@ from kvfleet.fleet.load import EngineLoad
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.prefix import PrefixAffinity
+from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys
 from kvfleet.gateway.proxy import Forwarder
 from tests.test_gateway_hostile_engines import StandInEngine
 
@@ -29,11 +29,11 @@ def test_an_admitted_request_goes_to_a_saturated_engine_rather_than_503() -> Non
 
         async def send() -> httpx.Response:
             async with httpx.AsyncClient() as client:
-                forwarder = Forwarder(GatewayConfig(engines=[engine.url]), client, pool, PrefixAffinity(),
+                forwarder = Forwarder(GatewayConfig(engines=[engine.url]), client, pool, PrefixRouting(),
                                       GatewayMetrics())
                 body = json.dumps({"model": "stand-in", "prompt": "hello"}).encode()
                 return await forwarder.forward("/v1/completions", body, {"content-type": "application/json"},
-                                               "rid", [], on_tokens=None)
+                                               "rid", PromptKeys([]), on_tokens=None)
 
         response = asyncio.run(send())
         assert response.status_code == 200, bytes(response.body)

@@ -23,7 +23,7 @@ from kvfleet.gateway.envoy_endpoints import EndpointsFile, endpoints_document, e
 from kvfleet.gateway.envoy_messages import SUBSET_KEY, SUBSET_NAMESPACE, route_to, subset_hint
 from kvfleet.gateway.failure_class import AnswerClass, classify_attempt, engine_health
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.prefix import PrefixAffinity
+from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys
 from kvfleet.gateway.proxy import Forwarder
 from tests.conftest import start_gateway, stop_process
 from tests.test_fault_drills import running, until
@@ -158,7 +158,7 @@ def _forwarder(*urls: str) -> Forwarder:
     pool.set_urls(urls)
     for i, url in enumerate(urls):  # engine i has i requests running: least-request ranks them in this order
         pool.record_scrape(url, EngineLoad(kv_cache_usage=0.1, num_running=i, num_waiting=0))
-    return Forwarder(GatewayConfig(routing="least-request"), None, pool, PrefixAffinity(), GatewayMetrics())
+    return Forwarder(GatewayConfig(routing="least-request"), None, pool, PrefixRouting(), GatewayMetrics())
 
 
 def _with_subset(value) -> pb.ProcessingRequest:
@@ -169,7 +169,7 @@ def _with_subset(value) -> pb.ProcessingRequest:
 
 def test_the_picker_names_the_best_engine_then_the_next_best_in_header_and_metadata() -> None:
     forwarder = _forwarder("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
-    urls = pick_destinations(forwarder, [])
+    urls = pick_destinations(forwarder, PromptKeys([]))
     assert urls == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
     message = route_to(urls, None, None)
     [header] = [h.header for h in message.request_body.response.header_mutation.set_headers
@@ -199,7 +199,7 @@ def test_engines_are_named_by_address_as_envoy_names_its_hosts() -> None:
 def test_the_picker_picks_only_within_the_proxys_subset_hint(hint, expected) -> None:
     forwarder = _forwarder("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
     subset = subset_hint(_with_subset(hint))
-    assert pick_destinations(forwarder, [], subset=subset) == expected
+    assert pick_destinations(forwarder, PromptKeys([]), subset=subset) == expected
     assert subset_hint(pb.ProcessingRequest(request_headers=pb.HttpHeaders())) is None  # no hint: the whole pool
 
 

@@ -102,7 +102,7 @@ def fleets(draw: st.DrawFn) -> tuple[list[EndpointSnapshot], dict[str, float], f
 
 
 @settings(max_examples=600, deadline=None)
-@given(fleets(), st.sampled_from(list(STRATEGIES)), st.booleans(), st.integers(0, 50), st.integers(0, 2**32),
+@given(fleets(), st.sampled_from(["kvfleet", "least-request", "round-robin"]), st.booleans(), st.integers(0, 50), st.integers(0, 2**32),
        st.sampled_from([ScoreWeights(), ScoreWeights(1.0, 0.0, 5.0), ScoreWeights(0.5, 3.0, 0.0)]),
        st.sampled_from([SaturationPolicy(), SaturationPolicy(2, 0.5, 0.25), SaturationPolicy(20, 1.0, 1.0)]))
 def test_every_strategy_chooses_as_the_former_pick_did(fleet, name, must, turn, seed, weights, policy) -> None:
@@ -125,4 +125,4 @@ def test_each_signal_scores_every_candidate_between_zero_and_one(fleet) -> None:
 
 
 def test_routing_flag_offers_exactly_the_registered_strategies() -> None:
-    assert ROUTING_STRATEGIES == tuple(STRATEGIES) == ("kvfleet", "least-request", "round-robin")
+    assert ROUTING_STRATEGIES == tuple(STRATEGIES) == ("kvfleet", "least-request", "round-robin", "estimated-ttft")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfleet.fleet.metrics import LOAD_SIGNALS, MAX_NUM_SEQS
+from kvfleet.fleet.metrics import LOAD_SIGNALS, MAX_NUM_SEQS, PREFILL_TOKENS_PENDING, PREFILL_TOKENS_PER_SECOND
 
 
 class MetricsParseError(ValueError):
@@ -20,12 +20,18 @@ class EngineLoad:
     num_waiting: int
     num_running: int
     max_num_seqs: int | None = None  # kvfleet engines export it; vLLM's metrics do not
+    prefill_tokens_pending: int = 0  # kvfleet engines only, as the next one
+    prefill_tokens_per_second: float | None = None  # None: not exported or not measured yet
 
 
 # What the gateway asks for: /metrics?name[]=... (kvfleet engines and vLLM's prometheus_client handler both
 # filter on it), so an engine renders a few lines instead of every histogram, ten times a second.
-WANTED = (*(n for names in LOAD_SIGNALS.values() for n in names), MAX_NUM_SEQS)
+WANTED = (*(n for names in LOAD_SIGNALS.values() for n in names), MAX_NUM_SEQS, PREFILL_TOKENS_PENDING,
+          PREFILL_TOKENS_PER_SECOND)
 METRICS_QUERY = "&".join(f"name[]={n}" for n in WANTED)
+
+
+MAX_VALUE = 1e12  # beyond any real queue, token count or rate
 
 
 def _sample_values(text: str) -> dict[str, float]:
@@ -45,9 +51,12 @@ def _sample_values(text: str) -> dict[str, float]:
         if not fields:
             raise MetricsParseError(f"no value on the line {line[:80]!r}")
         try:
-            found[name] = found.get(name, 0.0) + float(fields[0])
+            value = float(fields[0])
         except ValueError:
             raise MetricsParseError(f"cannot read the value on the line {line[:80]!r}") from None
+        if not 0.0 <= value <= MAX_VALUE:  # NaN, infinities, negatives: no count or rate is any of them
+            raise MetricsParseError(f"the value on the line {line[:80]!r} is not a count in [0, {MAX_VALUE:.0e}]")
+        found[name] = found.get(name, 0.0) + value
     return found
 
 
@@ -61,5 +70,7 @@ def parse_engine_load(text: str) -> EngineLoad:
             raise MetricsParseError(f"no {signal} metric; expected one of {', '.join(names)}")
         values[signal] = found[name]
     capacity = int(found.get(MAX_NUM_SEQS, 0)) or None
+    rate = found.get(PREFILL_TOKENS_PER_SECOND, 0.0)
     return EngineLoad(min(max(values["kv_cache_usage"], 0.0), 1.0), int(values["num_waiting"]),
-                      int(values["num_running"]), capacity)
+                      int(values["num_running"]), capacity, max(0, int(found.get(PREFILL_TOKENS_PENDING, 0))),
+                      rate or None)

@@ -11,6 +11,10 @@ KV_CACHE_USAGE = "kvfleet_kv_cache_usage"  # 0-1
 NUM_REQUESTS_RUNNING = "kvfleet_num_requests_running"
 NUM_REQUESTS_WAITING = "kvfleet_num_requests_waiting"
 MAX_NUM_SEQS = "kvfleet_max_num_seqs"  # kvfleet engines export it; vLLM's metrics do not
+# For the gateway's estimate of a new request's time to first token (kvfleet engines only): prompt tokens queued or
+# part-computed, and the rate steps compute them at (0 until measured).
+PREFILL_TOKENS_PENDING = "kvfleet_prefill_tokens_pending"
+PREFILL_TOKENS_PER_SECOND = "kvfleet_prefill_tokens_per_second"
 
 # vLLM's names for the same signals (vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc).
 VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
