@@ -102,7 +102,8 @@ def fleets(draw: st.DrawFn) -> tuple[list[EndpointSnapshot], dict[str, float], f
 
 
 @settings(max_examples=600, deadline=None)
-@given(fleets(), st.sampled_from(["kvfleet", "least-request", "round-robin"]), st.booleans(), st.integers(0, 50), st.integers(0, 2**32),
+@given(fleets(), st.sampled_from(["kvfleet", "least-request", "round-robin"]), st.booleans(), st.integers(0, 50),
+       st.integers(0, 2**32),
        st.sampled_from([ScoreWeights(), ScoreWeights(1.0, 0.0, 5.0), ScoreWeights(0.5, 3.0, 0.0)]),
        st.sampled_from([SaturationPolicy(), SaturationPolicy(2, 0.5, 0.25), SaturationPolicy(20, 1.0, 1.0)]))
 def test_every_strategy_chooses_as_the_former_pick_did(fleet, name, must, turn, seed, weights, policy) -> None:
