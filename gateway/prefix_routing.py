@@ -106,6 +106,13 @@ class PrefixRouting:
             out[url] = max(out.get(url, 0.0), blocks * size / keys.num_tokens)
         return out
 
+    def reason(self, matches: Mapping[str, float], url: str) -> str:
+        """What decided a choice, for kvfleet_gateway_routing_decisions_total."""
+        share = matches.get(url, 0.0)
+        if share <= 0.0 or share < max(matches.values()):
+            return "load"
+        return "prefix_precise" if url in self.index.engines() and self.tokenize is not None else "prefix_approximate"
+
     def record(self, keys: PromptKeys, url: str) -> None:
         """The request went to url."""
         self.approx.record(keys.approx, url)

@@ -75,10 +75,13 @@ class Forwarder:
     def choose(self, hashes: PromptKeys, exclude: frozenset[str] = frozenset(), must: bool = False) -> str | None:
         self._counter += 1
         strategy = strategy_named(self.config.routing, self.config.weights, self.config.saturation)
-        request = RoutingContext(self.prefix.matches(hashes), exclude, must, turn=self._counter,
-                                 num_tokens=hashes.est_tokens)
+        matches = self.prefix.matches(hashes)
+        request = RoutingContext(matches, exclude, must, turn=self._counter, num_tokens=hashes.est_tokens)
         chosen = pick(strategy, self.pool.snapshots(), request, self.rng)
-        return chosen.url if chosen else None
+        if chosen is None:
+            return None
+        self.metrics.labelled(self.metrics.routing_decisions, self.prefix.reason(matches, chosen.url)).inc()
+        return chosen.url
 
     async def forward(self, path: str, raw_body: bytes, headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str],
                       request_id: str, hashes: PromptKeys,

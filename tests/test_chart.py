@@ -627,7 +627,24 @@ def test_the_dashboard_uses_real_metric_names() -> None:
 
 def alert_rules(docs) -> dict[str, dict]:
     [rule] = find(docs, "PrometheusRule")
-    return {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    return {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+
+
+def recording_rules(docs) -> dict[str, dict]:
+    [rule] = find(docs, "PrometheusRule")
+    return {r["record"]: r for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r}
+
+
+def test_the_prefix_cache_hit_rate_is_recorded_per_engine_and_per_fleet_from_exported_metrics() -> None:
+    import promql_parser
+
+    rules = recording_rules(render(CHART / "ci" / "cluster-wide-values.yaml"))
+    assert set(rules) == {"kvfleet:prefix_cache_hit_rate:engine", "kvfleet:prefix_cache_hit_rate:fleet"}
+    for r in rules.values():
+        promql_parser.parse(r["expr"])
+        used = set(re.findall(r"\bkvfleet_[a-z_]+", r["expr"])) - {"kvfleet_io_fleet"}
+        assert used == {"kvfleet_prefix_cache_hits_total", "kvfleet_prefix_cache_queries_total"}
+        assert used <= exported_metric_names()
 
 
 def test_the_alert_rules_parse_and_query_real_metrics_and_labels() -> None:

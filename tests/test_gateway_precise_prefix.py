@@ -53,11 +53,15 @@ def chat(url: str, system: str, question: str) -> httpx.Response:
     return reply
 
 
-def index_blocks(gateway: str, engine: str) -> float:
+def gateway_metric(gateway: str, name: str, label: str) -> float:
     for line in httpx.get(f"{gateway}/metrics", timeout=5).text.splitlines():
-        if line.startswith("kvfleet_gateway_kv_index_blocks{") and f'endpoint="{engine}"' in line:
+        if line.startswith(name + "{") and label in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def index_blocks(gateway: str, engine: str) -> float:
+    return gateway_metric(gateway, "kvfleet_gateway_kv_index_blocks", f'endpoint="{engine}"')
 
 
 def served_by(gateways: list[str], system: str, n: int) -> list[str]:
@@ -86,6 +90,8 @@ def test_both_replicas_follow_the_tenants_blocks_and_let_go_once_evicted(engines
                 time.sleep(0.1)
             assert index_blocks(gateway, holder) > 0
         assert served_by(gateways, system, 6) == [holder] * 6
+        for gateway in gateways:
+            assert gateway_metric(gateway, "kvfleet_gateway_routing_decisions_total", 'reason="prefix_precise"') >= 3
 
         for i in range(6):  # unrelated prompts sent to the holder directly evict the tenant's blocks
             httpx.post(f"{holder}/v1/completions", json={"prompt": list(range(3000 + 150 * i, 3140 + 150 * i)),
