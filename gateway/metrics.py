@@ -32,9 +32,9 @@ class GatewayMetrics:
                                 ["endpoint"], registry=r)
         self.endpoints = Gauge("kvfleet_gateway_endpoints", "Engines by state", ["state"], registry=r)
         self.routing_decisions = Counter(
-            "kvfleet_gateway_routing_decisions", "Engines chosen, by what decided: prefix_precise or prefix_approximate "
-            "(the engine holding the most of the prompt, from KV events or the approximate table), load (no engine "
-            "held any of it, or a less loaded one won)", ["reason"], registry=r)
+            "kvfleet_gateway_routing_decisions", "Engines chosen, by what decided: prefix_precise or "
+            "prefix_approximate (the engine holding the most of the prompt, from KV events or the approximate table), "
+            "load (no engine held any of it, or a less loaded one won)", ["reason"], registry=r)
         self.kv_index_blocks = Gauge("kvfleet_gateway_kv_index_blocks",
                                      "Prefix-cache blocks each engine holds, as its KV events report them",
                                      ["endpoint"], registry=r)
