@@ -18,7 +18,7 @@ class EndpointState:
     scraped_at: float | None = None  # monotonic time of the last successful scrape
     scrape_error: str | None = None
     dispatched_since_scrape: int = 0
-    tokens_since_scrape: int = 0  # prompt tokens of those requests
+    dispatch_tokens: float = 0.0  # a moving average of the prompt tokens (not cached there) of requests sent to it
     open_requests: int = 0
     consecutive_failures: int = 0
     ejected_until: float = 0.0
@@ -60,7 +60,7 @@ class EndpointPool:
             state.scrape_error = error
             return
         state.load, state.scraped_at, state.scrape_error = load, now or time.monotonic(), None
-        state.dispatched_since_scrape = state.tokens_since_scrape = 0
+        state.dispatched_since_scrape = 0
 
     def mark_unreachable(self, url: str, error: str, silent_s: float) -> int:
         """The engine stopped answering even its /metrics: unhealthy, and each wait on it that has itself seen
@@ -91,14 +91,14 @@ class EndpointPool:
         state = self.endpoints.get(url)
         if state is not None:
             state.dispatched_since_scrape += 1
-            state.tokens_since_scrape += tokens
+            state.dispatch_tokens = average_tokens(state.dispatch_tokens, tokens)
 
     def record_dispatch(self, url: str, tokens: int = 0) -> None:
         """A request (of `tokens` prompt tokens, when known) sent to the engine."""
         state = self.endpoints.get(url)
         if state is not None:
             state.dispatched_since_scrape += 1
-            state.tokens_since_scrape += tokens
+            state.dispatch_tokens = average_tokens(state.dispatch_tokens, tokens)
             state.open_requests += 1
 
     def record_done(self, url: str, ok: bool | None, now: float | None = None) -> bool:
@@ -143,7 +143,8 @@ class EndpointPool:
                 metrics_age_s=now - s.scraped_at if s.scraped_at is not None else float("inf"),
                 in_flight=unseen(s), max_num_seqs=load.max_num_seqs if load else None,
                 prefill_tokens_pending=load.prefill_tokens_pending if load else 0,
-                prefill_rate=load.prefill_tokens_per_second if load else None, in_flight_tokens=s.tokens_since_scrape))
+                prefill_rate=load.prefill_tokens_per_second if load else None,
+                in_flight_tokens=round(unseen(s) * s.dispatch_tokens)))
         return out
 
 
@@ -154,3 +155,9 @@ def unseen(s: EndpointState) -> int:
     if s.load is None:
         return s.dispatched_since_scrape
     return max(s.dispatched_since_scrape, s.open_requests - s.load.num_running - s.load.num_waiting)
+
+
+def average_tokens(average: float, tokens: int) -> float:
+    """The unseen requests' prompt tokens are estimated as their count (unseen) times this moving average: a busy
+    engine reports new requests late, so the tokens sent since the last scrape undercount them as the count does."""
+    return float(tokens) if average == 0.0 else 0.8 * average + 0.2 * tokens
