@@ -99,6 +99,7 @@ class Forwarder:
             if url is None:
                 break
             tried.add(url)
+            self.prefix.record(hashes, url)  # at dispatch: the next requests of its tenant follow before it answers
             upstream = await self._send(url, path, raw_body, headers, request_id,
                                         self.prefix.uncached_tokens(hashes, url))
             if isinstance(upstream, str):
@@ -115,8 +116,6 @@ class Forwarder:
                 last_error = f"engine {url} answered {status}"
                 self.metrics.retries.labels(f"status_{status}" if attempt == 0 else "gave_up").inc()
                 continue
-            if verdict is AnswerClass.OK:
-                self.prefix.record(hashes, url)
             return await self._relay(upstream, on_tokens, ok=True if verdict is AnswerClass.OK else None)
         if last_busy is not None:
             return _passthrough(last_busy[1], last_busy[2], last_busy[0])

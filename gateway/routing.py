@@ -157,10 +157,17 @@ class EstimatedTTFT:
     tie_tolerance: float = 0.1  # relative
     tie_floor_s: float = 0.0005  # estimates this close are a tie whatever their ratio
 
-    def estimate(self, e: EndpointSnapshot, request: RoutingContext, default_rate: float | None = None) -> float:
-        """Seconds of prefill ahead of this request's first token on e; `default_rate` for an unmeasured engine."""
+    same_hardware: float = 1.5  # measured rates within this factor of the fleet's median are taken as the median
+
+    def estimate(self, e: EndpointSnapshot, request: RoutingContext, typical_rate: float | None = None) -> float:
+        """Seconds of prefill ahead of this request's first token on e. An engine's own rate is used only where it
+        differs from the fleet's typical (median) one by more than `same_hardware`: a rate measured over a few
+        steps is noisy, and it feeds back (an engine measured fast gets more requests, so bigger batches, which
+        measure faster), herding a burst onto it; engines on other hardware differ by more than that."""
         uncached = request.num_tokens * (1.0 - request.prefix_matches.get(e.url, 0.0))
-        rate = e.prefill_rate or default_rate or self.default_rate
+        rate = typical_rate or self.default_rate
+        if e.prefill_rate and not 1 / self.same_hardware <= e.prefill_rate / rate <= self.same_hardware:
+            rate = e.prefill_rate
         return (e.prefill_tokens_pending + e.in_flight_tokens + uncached) / rate
 
     def choose(self, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
