@@ -25,6 +25,7 @@ from kvfleet.engine.api_key import EngineAPIKey
 from kvfleet.engine.async_engine import AsyncEngine, EngineDeadError
 from kvfleet.engine.kv_event_hub import KVEventHub
 from kvfleet.engine.kv_events_api import install_kv_event_routes
+from kvfleet.engine.kv_events_zmq import VllmKVEvents
 from kvfleet.engine.llm_engine import RequestError
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.openai_responses import Reply, chat_body, chat_events, completion_body, completion_events, sse
@@ -40,6 +41,7 @@ from kvfleet.engine.protocol import (
 from kvfleet.engine.request_checks import StrictJSONRoute, check_prompt_chars
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import QueueFullError
+from kvfleet.engine.vllm_compat_api import install_vllm_compat_routes
 from kvfleet.fleet.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvfleet.fleet.errors import APIError, engine_fault, install_error_handlers
 from kvfleet.fleet.headers import RETRY_AFTER
@@ -63,6 +65,8 @@ class ServerState:
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     kv_events: KVEventHub = field(default_factory=KVEventHub)  # the engine publishes into it once loaded
+    kv_events_sse: bool = True  # GET /kv_events serves the hub (off: only vLLM's ZMQ format, if on)
+    vllm_kv_events: VllmKVEvents = field(default_factory=VllmKVEvents)  # vLLM's discovery and ZMQ publisher
 
     def __post_init__(self) -> None:
         self.metrics = EngineMetrics(lambda: self.engine.engine.stats() if self.engine is not None else None)
@@ -136,7 +140,11 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvfleet"},
         ]}
 
-    install_kv_event_routes(app, state)
+    if state.kv_events_sse:
+        install_kv_event_routes(app, state)
+    install_vllm_compat_routes(app, state)
+    app.router.add_event_handler("startup", state.vllm_kv_events.start)
+    app.router.add_event_handler("shutdown", state.vllm_kv_events.stop)
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):

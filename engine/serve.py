@@ -11,6 +11,7 @@ import uvicorn
 from kvfleet.engine.api_server import ServerState, build_app
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.kv_events_zmq import VllmKVEvents, ZmqKVEventPublisher
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.request_checks import max_prompt_chars
 from kvfleet.engine.sampling_params import SamplingParams
@@ -62,7 +63,12 @@ class DrainingServer(uvicorn.Server):
 
 def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None = None,
           drain_timeout: float = 30.0, log_prompts: bool = False) -> int:
-    state = ServerState(model_name=served_model_name or config.model)
+    state = ServerState(model_name=served_model_name or config.model, kv_events_sse=config.kv_events_sse,
+                        vllm_kv_events=VllmKVEvents(config.block_size))
+    if config.kv_events_zmq_port is not None and config.kv_events:
+        state.vllm_kv_events.publisher = ZmqKVEventPublisher(state.kv_events, host, config.kv_events_zmq_port)
+    elif config.kv_events_zmq_port is not None:
+        log.warning("--kv-events-zmq-port is ignored: --no-kv-events turns the KV events off")
     app = build_app(state, api_key=config.api_key)
     server = DrainingServer(server_config(app, host, port, drain_timeout), state)
     failure: list = []

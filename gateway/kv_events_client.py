@@ -3,7 +3,8 @@
 One loop per engine in the pool, as the scraper has. A stream starts with a snapshot; a gap in the batches' seq, a
 malformed message or a silent connection (no keepalive for a while) ends it, the engine's entries are dropped (its
 prompts fall back to the approximate table) and the loop reconnects after a growing pause, for a fresh snapshot.
-An engine that does not publish events (404: another server, or --no-kv-events) is asked again only every minute.
+An engine without the stream (404) is followed over ZMQ if it names vLLM-format sources on /kv_event_sources (a
+vLLM pod: gateway/kv_events_zmq.py); one that publishes neither is asked again only every minute.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import aiohttp
 from kvfleet.fleet.headers import AUTHORIZATION
 from kvfleet.fleet.kv_events import KV_EVENTS_PATH, EventBatch, KVEventError, decode_batch
 from kvfleet.gateway.endpoints import EndpointPool
+from kvfleet.gateway.kv_events_zmq import ZmqEventSubscriber
 from kvfleet.gateway.kv_index import KVIndex
 from kvfleet.gateway.metrics import GatewayMetrics
 
@@ -41,6 +43,7 @@ class KVEventFollower:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=SILENCE_S),
             cookie_jar=aiohttp.DummyCookieJar())
         self._tasks: dict[str, asyncio.Task] = {}
+        self.zmq = ZmqEventSubscriber(index, metrics)
 
     def sync(self) -> None:
         """Follow each new engine; stop following (and forget) those that left."""
@@ -58,6 +61,7 @@ class KVEventFollower:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self._tasks.clear()
         await self.session.close()
+        self.zmq.close()
 
     async def _loop(self, url: str) -> None:
         failures = 0
@@ -79,7 +83,8 @@ class KVEventFollower:
         """Apply one stream's batches until it ends; the pause before the next try when the engine has none."""
         async with self.session.get(url + KV_EVENTS_PATH, headers=self.headers) as response:
             if response.status == 404:
-                return NOT_PUBLISHING_RETRY_S
+                response.release()
+                return await self._follow_zmq(url)
             if response.status != 200:
                 raise StreamEnded(f"{KV_EVENTS_PATH} answered {response.status}")
             expected: int | None = None
@@ -96,6 +101,12 @@ class KVEventFollower:
                 if len(buffer) > MAX_MESSAGE_BYTES:
                     raise StreamEnded(f"a message over {MAX_MESSAGE_BYTES} bytes")
         raise StreamEnded("the stream closed")
+
+    async def _follow_zmq(self, url: str) -> float:
+        """An engine without /kv_events may publish vLLM's format over ZMQ (a vLLM pod): follow that instead."""
+        if await self.zmq.follow(self.session, url, self.headers):
+            return RETRY_S[0]
+        return NOT_PUBLISHING_RETRY_S
 
     def _apply(self, url: str, batch: EventBatch, expected: int | None) -> int:
         if batch.snapshot:

@@ -47,12 +47,15 @@ def shorten(case) -> None:
 def test_schema_lists_every_route(api_schema) -> None:
     assert set(operations(api_schema)) == {
         "GET /health", "GET /ready", "GET /metrics", "GET /v1/models", "POST /v1/completions",
-        "POST /v1/chat/completions",
+        "POST /v1/chat/completions", "GET /kv_events", "GET /kv_event_sources", "GET /get_server_info",
+        "POST /v1/completions/render", "POST /v1/chat/completions/render",
     }
 
 
 @pytest.mark.parametrize("route", ["GET /health", "GET /ready", "GET /metrics", "GET /v1/models",
-                                   "POST /v1/completions", "POST /v1/chat/completions"])
+                                   "POST /v1/completions", "POST /v1/chat/completions", "GET /kv_event_sources",
+                                   "GET /get_server_info", "POST /v1/completions/render",
+                                   "POST /v1/chat/completions/render"])
 def test_generated_requests_get_no_5xx_and_valid_responses(api_schema, route: str) -> None:
     operation = operations(api_schema)[route]
 

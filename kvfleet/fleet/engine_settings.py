@@ -74,6 +74,11 @@ class EngineSettings:
     enable_prefix_caching: bool = setting(True, help="share KV blocks between requests with a common prefix")
     kv_events: bool = setting(True, help="stream the prefix cache's block events on /kv_events (gateways route "
                                          "by them)")
+    kv_events_sse: bool = setting(True, help="serve the KV events on GET /kv_events (--no-kv-events-sse: only "
+                                             "over ZMQ, as a vLLM pod)")
+    kv_events_zmq_port: int | None = setting(None, minimum=0, help="also publish the KV events in vLLM's wire "
+                                             "format: ZMQ PUB on this port, replay on the next (0: free ports, "
+                                             "reported on /kv_event_sources; default: off)")
     dtype: str = setting("auto", help="auto: float32 on CPU, bfloat16/float16 on GPU", choices=DTYPES)
     device: str = setting("auto", help="auto, cpu or cuda[:N]")
     seed: int = setting(0)
