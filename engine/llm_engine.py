@@ -53,6 +53,7 @@ class EngineStats:
     max_num_seqs: int = 0
     prefill_tokens_pending: int = 0
     prefill_tokens_per_second: float = 0.0  # 0: not measured yet
+    request_slot_seconds: float = 0.0  # 0: no request finished yet
 
 
 class LLMEngine:
@@ -91,6 +92,7 @@ class LLMEngine:
         # prompt tokens still to compute, and how fast steps have been computing them. Written by the engine thread.
         self.prefill_tokens_pending = 0
         self.prefill_rate = 0.0
+        self.slot_seconds = 0.0  # how long finished requests held a batch slot (a moving average)
 
     def _plan_kv_cache(self) -> KVCapacity:
         per_block = self.backend.bytes_per_block()
@@ -290,6 +292,9 @@ class LLMEngine:
             self._finish(state)
 
     def _finish(self, state: RequestState) -> None:
+        if state.seq.first_scheduled_time is not None and not state.seq.num_preemptions:
+            held = time.monotonic() - state.seq.first_scheduled_time
+            self.slot_seconds = held if not self.slot_seconds else 0.9 * self.slot_seconds + 0.1 * held
         self.scheduler.remove(state.seq)
         del self.requests[state.seq.request_id]
         self._finished_outputs.append(state.make_output())
@@ -303,6 +308,7 @@ class LLMEngine:
             generation_tokens=self.generation_tokens, prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits, max_num_seqs=self.config.max_num_seqs,
             prefill_tokens_pending=self.prefill_tokens_pending, prefill_tokens_per_second=self.prefill_rate,
+            request_slot_seconds=self.slot_seconds,
         )
 
     # --- offline use --------------------------------------------------------------------------

@@ -42,6 +42,8 @@ class _StatsCollector(Collector):
             names.PREFILL_TOKENS_PER_SECOND: ("prompt tokens computed per second in recent steps that computed "
                                               "prompts (a moving average; 0 until measured)",
                                               stats.prefill_tokens_per_second),
+            names.REQUEST_SLOT_SECONDS: ("seconds finished requests held a batch slot, first step to last (a moving "
+                                         "average; 0 until one finishes)", stats.request_slot_seconds),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

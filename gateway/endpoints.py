@@ -144,7 +144,8 @@ class EndpointPool:
                 in_flight=unseen(s), max_num_seqs=load.max_num_seqs if load else None,
                 prefill_tokens_pending=load.prefill_tokens_pending if load else 0,
                 prefill_rate=load.prefill_tokens_per_second if load else None,
-                in_flight_tokens=round(unseen(s) * s.dispatch_tokens)))
+                in_flight_tokens=round(unseen(s) * s.dispatch_tokens),
+                slot_seconds=load.request_slot_seconds if load else None))
         return out
 
 

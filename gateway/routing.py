@@ -30,6 +30,7 @@ class EndpointSnapshot:
     prefill_tokens_pending: int = 0  # prompt tokens the engine has yet to compute (kvfleet engines export it)
     prefill_rate: float | None = None  # prompt tokens per second its steps compute; None: not known
     in_flight_tokens: int = 0  # prompt tokens of this gateway's dispatches since the scrape
+    slot_seconds: float | None = None  # how long a request holds one of its batch slots; None: not known
 
     @property
     def queue_depth(self) -> int:
@@ -148,7 +149,8 @@ class RoundRobin:
 class EstimatedTTFT:
     """After Dynamo's KV router: each available engine's estimated time to this request's first token, the prompt
     tokens it must compute first (its pending prefill, this gateway's dispatches it has not reported yet, and this
-    request's tokens not in its prefix cache) over the rate it computes them; the lowest wins. Engines within
+    request's tokens not in its prefix cache) over the rate it computes them, plus the wait for a batch slot when its
+    batch is full (its decode load); the lowest wins. Engines within
     tie_tolerance of the best are equals, one taken at random: replicas reading the same scrape do not all pick the
     same one (with two near-equal engines, the better of two random choices would)."""
 
@@ -168,7 +170,16 @@ class EstimatedTTFT:
         rate = typical_rate or self.default_rate
         if e.prefill_rate and not 1 / self.same_hardware <= e.prefill_rate / rate <= self.same_hardware:
             rate = e.prefill_rate
-        return (e.prefill_tokens_pending + e.in_flight_tokens + uncached) / rate
+        return (e.prefill_tokens_pending + e.in_flight_tokens + uncached) / rate + self.slot_wait(e)
+
+    @staticmethod
+    def slot_wait(e: EndpointSnapshot) -> float:
+        """The decode load: with its batch full, a request waits for a slot; with c slots each held for s seconds
+        one frees every s / c seconds, and the k-th request past the full batch waits k of those."""
+        if not e.max_num_seqs or not e.slot_seconds:
+            return 0.0
+        beyond = e.num_running + e.num_waiting + e.in_flight - e.max_num_seqs + 1
+        return max(0, beyond) * e.slot_seconds / e.max_num_seqs
 
     def choose(self, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
                rng: random.Random) -> EndpointSnapshot | None:

@@ -72,3 +72,12 @@ def test_the_choice_is_always_within_the_tie_tolerance_of_the_best_estimate(load
     typical = rates[len(rates) // 2]
     best = min(STRATEGY.estimate(e, request, typical) for e in fleet)
     assert STRATEGY.estimate(chosen, request, typical) <= max(best * 1.1, best + 0.0005) * (1 + 1e-9)
+
+
+def test_a_full_batch_makes_a_request_wait_for_a_slot_so_an_engine_with_free_slots_wins() -> None:
+    full = engine("full", num_running=8, max_num_seqs=8, slot_seconds=2.0)
+    free = engine("free", pending=50, num_running=2, max_num_seqs=8, slot_seconds=2.0)
+    assert EstimatedTTFT.slot_wait(full) == 2.0 / 8 and EstimatedTTFT.slot_wait(free) == 0.0
+    # 0.25 s for a slot on the engine holding the prompt; 0.15 s to compute all of it on the other
+    assert choose([full, free], {"full": 1.0}, tokens=100) == "free"
+    assert choose([full, free], {"full": 1.0}, tokens=400) == "full"

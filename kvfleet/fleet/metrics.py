@@ -15,6 +15,7 @@ MAX_NUM_SEQS = "kvfleet_max_num_seqs"  # kvfleet engines export it; vLLM's metri
 # part-computed, and the rate steps compute them at (0 until measured).
 PREFILL_TOKENS_PENDING = "kvfleet_prefill_tokens_pending"
 PREFILL_TOKENS_PER_SECOND = "kvfleet_prefill_tokens_per_second"
+REQUEST_SLOT_SECONDS = "kvfleet_request_slot_seconds"  # how long a request holds a batch slot (moving average)
 
 # vLLM's names for the same signals (vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc).
 VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
