@@ -110,14 +110,22 @@ class KVIndex:
         """For each engine, how many of the prompt's leading blocks it holds in one run from the first."""
         out: dict[str, int] = {}
         for size, keys in keys_by_size.items():
-            alive: set[str] | None = None
-            for count, key in enumerate(keys, 1):
+            alive: set[str] = set()
+            count = 0
+            for key in keys:
                 holders = self._holders.get(key)
                 if not holders:
                     break
-                alive = {u for u in holders if self.block_sizes.get(u) == size} if alive is None else alive & holders
+                if not count:
+                    alive = {u for u in holders if self.block_sizes.get(u) == size}
+                elif not alive <= holders:  # most blocks keep the same holders: no new set then
+                    left = alive & holders
+                    for url in alive - left:
+                        out[url] = count
+                    alive = left
                 if not alive:
                     break
-                for url in alive:
-                    out[url] = count
+                count += 1
+            for url in alive:
+                out[url] = count
         return out

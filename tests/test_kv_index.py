@@ -8,6 +8,8 @@ import asyncio
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvfleet.engine.kv_event_hub import KVEventHub
 from kvfleet.fleet.kv_events import (
@@ -102,3 +104,22 @@ def test_a_snapshot_lists_every_parent_before_its_children_and_round_trips() -> 
     index = KVIndex()
     index.apply("a", snapshot.events)
     assert index.matched_blocks({16: chain_keys(PROMPT, 16)}) == {"a": 2}
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.integers(0, 5), st.integers(1, 6)), max_size=30),
+       st.integers(0, 5), st.integers(1, 6))
+def test_every_engines_run_is_the_longest_prefix_of_the_prompt_it_holds(stores, first, length) -> None:
+    """Against a brute-force reference: engines store runs of blocks (tenant `t`'s first n blocks)."""
+    index = KVIndex()
+    held: dict[str, set[bytes]] = {}
+    for url, tenant, n in stores:
+        tokens = [tenant * 1000 + i for i in range(16 * n)]
+        index.apply(url, [stored([hash((url, tenant, i)) for i in range(n)], tokens)])
+        held.setdefault(url, set()).update(chain_keys(tokens, 16))
+    prompt_keys = chain_keys([first * 1000 + i for i in range(16 * length)], 16)
+    expected = {}
+    for url, keys in held.items():
+        run = next((i for i, k in enumerate(prompt_keys) if k not in keys), len(prompt_keys))
+        if run:
+            expected[url] = run
+    assert index.matched_blocks({16: prompt_keys}) == expected
