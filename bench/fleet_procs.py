@@ -71,6 +71,7 @@ class BenchFleet:
     max_model_len: int = 512
     kv_cache_memory: str = "32MiB"
     use_redis: bool = True
+    engine_args: list[str] = field(default_factory=list)  # more `kvfleet engine` flags for every engine
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvfleet-bench-")))
     engines: list[Child] = field(default_factory=list)
     gateways: list[Child] = field(default_factory=list)
@@ -100,7 +101,7 @@ class BenchFleet:
             settings = EngineSettings(model=str(path), max_model_len=self.max_model_len,
                                       kv_cache_memory=self.kv_cache_memory, max_num_seqs=seqs)
             args = ["engine", *settings.to_args(), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
-                    "--port", str(port)]
+                    "--port", str(port), *self.engine_args]
             self.engines.append(spawn(f"engine-{i}-seqs{seqs}", args, f"http://127.0.0.1:{port}", self.log_dir))
         for engine in self.engines:
             wait_for(engine, "/ready")

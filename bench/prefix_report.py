@@ -1,0 +1,161 @@
+"""The shared-prefix routing benchmark's figures: per arm and load, TTFT, throughput, engine shares and the engines'
+own prefix hit rates; ratios against least-request and sglang-router's cache_aware; the table and the chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.plotting import finish, pyplot
+from bench.prefix_workload import PlannedChat
+from kvfleet.bench_report import percentile
+from kvfleet.loadgen import RequestRecord
+
+LOAD_ONLY, PEER = "least-request", "sglang-router"
+# The issue's targets, for arms that are kvfleet's own: ratio name -> (most allowed, which is better).
+TARGETS = {"p90_ttft_vs_least_request": 0.3, "mean_ttft_vs_sglang_router": 0.8}
+KNEE_TARGET = 1.5  # throughput at the knee ÷ least-request's, at least
+
+
+def summarize_arm(records: list[RequestRecord], deltas: dict[str, dict], plan: list[PlannedChat], warmup: int,
+                  engine_names: dict[str, str]) -> dict:
+    """Figures over the measured requests (index >= warmup); counters over the same stretch."""
+    measured = [r for r in records if r.index >= warmup]
+    ok = [r for r in measured if r.ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    e2es = [r.e2e_s for r in ok if r.e2e_s is not None]
+    span = (max((r.sent_at + r.e2e_s for r in measured), default=0.0)
+            - min((r.sent_at for r in measured), default=0.0))
+    firsts = sum(plan[r.index].first_of_key for r in measured)
+    engines = {engine_names.get(url, url): _engine(d) for url, d in deltas.items()}
+    served = sum(e["requests"] for e in engines.values()) or 1
+    for e in engines.values():
+        e["share"] = e["requests"] / served
+    hits, queries = (sum(d[k] for d in deltas.values()) for k in ("hits", "queries"))
+    errors: dict[str, int] = {}
+    for r in measured:
+        if not r.ok:
+            key = f"{r.status}: {(r.error or '')[:80]}"
+            errors[key] = errors.get(key, 0) + 1
+    return {"count": len(measured), "ok": len(ok), "errors": errors,
+            "ttft_s": _stats(ttfts), "e2e_s": _stats(e2es),
+            "completed_per_s": len(ok) / span if span > 0 else None,
+            "first_of_key_share": firsts / len(measured) if measured else None,
+            "fleet_hit_rate": hits / queries if queries else None, "engines": engines}
+
+
+def _engine(delta: dict) -> dict:
+    return {"requests": int(delta["requests"]), "prompt_tokens": int(delta["prompt_tokens"]),
+            "hit_rate": delta["hits"] / delta["queries"] if delta["queries"] else None}
+
+
+def _stats(values: list[float]) -> dict:
+    return {"mean": sum(values) / len(values) if values else None,
+            **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}}
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(arms: dict[str, dict]) -> dict[str, dict]:
+    """Per arm that ran: p90 and mean TTFT and throughput against least-request, mean TTFT against sglang-router."""
+    lr, peer = arms.get(LOAD_ONLY, {}).get("summary"), arms.get(PEER, {}).get("summary")
+    out = {}
+    for name, arm in arms.items():
+        s = arm.get("summary")
+        if s is None:
+            continue
+        out[name] = {
+            "p90_ttft_vs_least_request": lr and _div(s["ttft_s"]["p90"], lr["ttft_s"]["p90"]),
+            "mean_ttft_vs_least_request": lr and _div(s["ttft_s"]["mean"], lr["ttft_s"]["mean"]),
+            "throughput_vs_least_request": lr and _div(s["completed_per_s"], lr["completed_per_s"]),
+            "mean_ttft_vs_sglang_router": peer and _div(s["ttft_s"]["mean"], peer["ttft_s"]["mean"]),
+        }
+    return out
+
+
+def knee_throughput(runs: dict[str, dict]) -> dict[str, float | None]:
+    """Per arm, the most completed req/s over the sweep's loads (its throughput at the knee)."""
+    best: dict[str, float | None] = {}
+    for arms in runs.values():
+        for name, arm in arms.items():
+            value = (arm.get("summary") or {}).get("completed_per_s")
+            if value is not None and (best.get(name) is None or value > best[name]):
+                best[name] = value
+            best.setdefault(name, None)
+    return best
+
+
+def _f(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(report: dict) -> str:
+    lines = [f"\n{report['command']}", report["setup"]]
+    for load, arms in report["runs"].items():
+        lines.append(f"\nload {load} ({report['rates'][load]:.2f} req/s offered):")
+        lines.append(f"{'arm':<22} {'ok/n':>8} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'p99':>7} {'e2e p90':>8} "
+                     f"{'req/s':>6} {'hit%':>5} {'firsts':>6}  engines: share (hit%)  | p90/LR mean/LR mean/sglang")
+        table_ratios = report["ratios"][load]
+        for name, arm in arms.items():
+            s = arm.get("summary")
+            if s is None:
+                lines.append(f"{name:<22} did not run: {arm.get('error', '?')[:150]}")
+                continue
+            t, r = s["ttft_s"], table_ratios.get(name, {})
+            share = " ".join(f"{e['share']:.0%}({_f(e['hit_rate'] and 100 * e['hit_rate'], '.0f')})"
+                             for e in s["engines"].values())
+            lines.append(
+                f"{name:<22} {s['ok']:>4}/{s['count']:<3} {_f(t['mean']):>9} {_f(t['p50']):>7} {_f(t['p90']):>7} "
+                f"{_f(t['p99']):>7} {_f(s['e2e_s']['p90']):>8} {_f(s['completed_per_s'], '.2f'):>6} "
+                f"{_f(s['fleet_hit_rate'] and 100 * s['fleet_hit_rate'], '.1f'):>5} "
+                f"{_f(s['first_of_key_share'] and 100 * s['first_of_key_share'], '.1f'):>5}%  {share:<21} | "
+                f"{_f(r.get('p90_ttft_vs_least_request'), '.2f')} {_f(r.get('mean_ttft_vs_least_request'), '.2f')} "
+                f"{_f(r.get('mean_ttft_vs_sglang_router'), '.2f')}")
+            if s["errors"]:
+                lines.append(f"{'':<22} errors: {s['errors']}")
+    firsts = [a["summary"]["first_of_key_share"] for arms in report["runs"].values() for a in arms.values()
+              if a.get("summary") and a["summary"]["first_of_key_share"] is not None]
+    worst = max(firsts, default=0.0)
+    lines.append(f"\nfirst requests of a tenant/conversation among measured requests: at most {worst:.1%} "
+                 f"({'under' if worst < 0.05 else 'NOT under'} the 5% the targets need)")
+    knee = report["knee_requests_per_s"]
+    lines.append("throughput at the knee (most completed req/s over the loads): " + ", ".join(
+        f"{n} {_f(v, '.2f')} ({_f(_div(v, knee.get(LOAD_ONLY)), '.2f')}x LR)" for n, v in knee.items()))
+    lines.append(f"targets at 80% load for kvfleet's arms: p90 TTFT <= {TARGETS['p90_ttft_vs_least_request']}x "
+                 f"least-request, mean TTFT <= {TARGETS['mean_ttft_vs_sglang_router']}x sglang-router cache_aware; "
+                 f"knee throughput >= {KNEE_TARGET}x least-request")
+    return "\n".join(lines)
+
+
+def chart(report: dict, path: Path) -> Path | None:
+    """TTFT p90, mean TTFT and the fleet hit rate per arm: bars at one load, lines against the offered rate."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    names = list(dict.fromkeys(n for arms in report["runs"].values() for n in arms))
+    one_load = len(report["runs"]) == 1
+    figures = {"TTFT p90 (s, lower is better)": lambda s: s["ttft_s"]["p90"],
+               "mean TTFT (s, lower is better)": lambda s: s["ttft_s"]["mean"],
+               "fleet prefix hit rate (engines' counters)": lambda s: s["fleet_hit_rate"]}
+    for i, name in enumerate(names):
+        points = [(report["rates"][key], arms[name]["summary"]) for key, arms in report["runs"].items()
+                  if arms.get(name, {}).get("summary")]
+        if not points:
+            continue
+        for ax, value in zip(axes, figures.values(), strict=True):
+            ys = [value(s) or 0 for _, s in points]
+            if one_load:
+                ax.bar_label(ax.bar([i], ys, label=name, color=f"C{i}"), fmt="%.2f", fontsize=7)
+            else:
+                ax.plot([p[0] for p in points], ys, marker="o", label=name, color=f"C{i}")
+    for ax, title in zip(axes, figures, strict=True):
+        ax.set(title=title, ylim=(0, None))
+        if one_load:
+            ax.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
+        else:
+            ax.set_xlabel("offered req/s")
+    rates = ", ".join(f"{key} ({rate:.2f} req/s)" for key, rate in report["rates"].items())
+    fig.suptitle(f"{report['setup']}; load {rates}", fontsize=9)
+    return finish(fig, path, axes, legend_fontsize=None if one_load else 8)

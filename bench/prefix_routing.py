@@ -1,0 +1,234 @@
+"""Shared-prefix routing, where KV capacity binds: kvfleet's routing strategies and the peers' cache-aware routers
+side by side in one run, in front of the same real SmolLM2 engines.
+
+    python -m bench.prefix_routing --load 0.8 --duration 150         # one load, every arm
+    python -m bench.prefix_routing --sweep 0.4,0.6,0.8,1.0            # find the knee
+    python -m bench.prefix_routing --quick                            # a ~3-minute smoke; its figures are noise
+
+Workload (bench/prefix_workload.py, seeded): `tenants` (40 tenants with distinct ~400-token system prompts, Zipf
+popularity s=1.1, short questions, 16 streamed output tokens) or `chats` (multi-turn conversations resending their
+history); Poisson arrivals. Each engine's KV cache holds ~4.4k tokens (--kv-cache-memory 194MiB; the engine's own
+count is printed), far less than the tenants' prefixes together; one torch thread per engine.
+Each arm gets fresh engines: they are restarted (~10 s) so every arm starts from empty prefix caches and zeroed
+counters, with nothing to trust about a flush. Its first --warmup requests (default: one per tenant, in shuffled
+order) are sent but left out of the figures, so the measured requests hold no tenant's first, unavoidable miss;
+the engines' prefix-cache counters are read when the first measured request is sent and after the last finishes.
+The capacity behind --load is measured first: each engine fed straight, --calibrate-inflight requests in flight.
+kvfleet's gateway runs with its defaults (Envoy data plane where installed) and queues in process unless --redis.
+Arms run one after another, so a busy neighbour on this machine skews whichever arm it overlaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench import peers
+from bench.fleet_procs import MODEL_NAME, BenchFleet
+from bench.prefix_client import closed_loop, run_plan
+from bench.prefix_report import chart, format_table, knee_throughput, ratios, summarize_arm
+from bench.prefix_workload import WORKLOADS, first_of_key_share, plan
+from kvfleet.redis_server import free_port
+from kvfleet.supervisor import Child, ChildExited, NotReady
+from kvfleet.supervisor import spawn as spawn_child
+
+
+@dataclass(frozen=True)
+class Arm:
+    """A router in front of the engines: 'kvfleet' (the gateway, policy = --routing) or a peer from bench/peers.py
+    (policy = --policy), plus extra flags."""
+
+    router: str
+    policy: str
+    extra: tuple[str, ...] = ()
+    engine_extra: tuple[str, ...] = ()  # `kvfleet engine` flags this arm needs (vLLM's ZMQ KV events)
+    replicas: int = 1  # kvfleet gateways side by side (one Redis queue), the client dealing requests to each in turn
+
+
+# The gateway's precise prefix index: it tokenizes as the engines do and follows their KV events.
+TOKENIZER = ("--tokenizer", "smollm2-135m-instruct")
+
+# One line per arm; a new gateway strategy is one more line.
+ARMS: dict[str, Arm] = {
+    "round-robin": Arm("kvfleet", "round-robin"),
+    "least-request": Arm("kvfleet", "least-request"),
+    "kvfleet": Arm("kvfleet", "kvfleet"),  # the approximate character table (no tokenizer)
+    "kvfleet-precise": Arm("kvfleet", "kvfleet", TOKENIZER),
+    "estimated-ttft": Arm("kvfleet", "estimated-ttft", TOKENIZER),
+    "estimated-ttft-x2": Arm("kvfleet", "estimated-ttft", TOKENIZER, replicas=2),
+    "sglang-router": Arm("sglang-router", "cache_aware"),
+    "smg": Arm("smg", "cache_aware"),
+    "vllm-router": Arm("vllm-router", "cache_aware"),
+    "vllm-router-kv": Arm("vllm-router", "kv_aware", engine_extra=("--kv-events-zmq-port", "0")),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=WORKLOADS, default="tenants")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--engines", type=int, default=2, choices=range(1, 5), help="SmolLM2 engines (1-4)")
+    p.add_argument("--kv-cache-memory", default="194MiB", help="each engine's KV cache (194MiB: 4,400 tokens)")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--tenants", type=int, default=40, help="tenants (or open conversations for chats)")
+    p.add_argument("--zipf", type=float, default=1.1, help="tenant popularity: Zipf exponent")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, help="arrivals per second (skips the capacity measurement)")
+    load.add_argument("--load", type=float, help="arrival rate as a fraction of the measured capacity")
+    load.add_argument("--sweep", help="several loads, e.g. 0.4,0.6,0.8,1.0")
+    p.add_argument("--duration", type=float, default=150.0, help="seconds of measured arrivals per arm")
+    p.add_argument("--warmup", type=int, help="requests sent first and left out of the figures (default: --tenants)")
+    p.add_argument("--calibrate-s", type=float, default=30.0, help="seconds of the capacity measurement")
+    p.add_argument("--calibrate-inflight", type=int, default=4, help="requests kept in flight per engine then")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds a request may take")
+    p.add_argument("--redis", action="store_true", help="kvfleet gateways queue in Redis (default: in process)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a ~3-minute smoke of every arm; figures are noise")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--replot", type=Path, help="redraw an earlier run's chart from its JSON and exit")
+    args = p.parse_args()
+    if args.quick:
+        args.tenants, args.duration, args.calibrate_s = 8, 8.0, 10.0
+    if args.warmup is None:
+        args.warmup = args.tenants
+    if args.rate is not None and not args.rate > 0:
+        p.error(f"--rate must be a positive number of requests per second, not {args.rate}")
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown:
+        p.error(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
+    if args.rate is None and args.load is None and args.sweep is None:
+        args.load = 0.8
+    return args
+
+
+def start_router(arm: Arm, fleet: BenchFleet) -> tuple[str | list[str], Child | None]:
+    """The arm's router in front of the fleet's engines: its URL (its replicas' URLs), and its process when it is a
+    peer."""
+    if arm.router == "kvfleet":
+        urls = [fleet.start_gateway(arm.policy, fleet=f"prefix-{arm.policy}", extra=list(arm.extra), alongside=True)
+                for _ in range(arm.replicas)]
+        return (urls[0] if arm.replicas == 1 else urls), None
+    peer = peers.PEERS[arm.router]
+    if not peer.installed():
+        raise RuntimeError(f"{peer.name} is not installed (python -m bench.peers install {peer.name})")
+    port = free_port()
+    argv = peer.argv([e.url for e in fleet.engines], port, free_port())
+    argv[argv.index("--policy") + 1] = arm.policy  # peers.py starts them round-robin, for its overhead run
+    child = spawn_child(f"{arm.router}-{arm.policy}", [*argv, *arm.extra], url=f"http://127.0.0.1:{port}",
+                        log_dir=fleet.log_dir)
+    try:
+        child.wait_ready(lambda: peers.answers_chat(child.url, MODEL_NAME), 90.0, poll_s=0.5)
+    except BaseException:
+        child.stop()
+        raise
+    return child.url, child
+
+
+def engine_capacity_line(engine: Child) -> str:
+    found = re.findall(r"KV cache: [^\n]*", engine.output())
+    return found[-1] if found else "KV cache: (not in the log)"
+
+
+def new_fleet(args: argparse.Namespace, arm: Arm | None = None) -> BenchFleet:
+    replicas = arm.replicas if arm is not None else 1
+    return BenchFleet("smollm2-135m-instruct", [args.max_num_seqs] * args.engines, max_model_len=args.max_model_len,
+                      kv_cache_memory=args.kv_cache_memory, use_redis=args.redis or replicas > 1,
+                      engine_args=list(arm.engine_extra) if arm else [])
+
+
+def run_arm(name: str, args: argparse.Namespace, rate: float) -> dict:
+    """Fresh engines, the arm's router, the workload through it; its figures, or why it did not run."""
+    requests = plan(args.workload, args.warmup + max(1, round(rate * args.duration)), rate, args.seed, args.tenants,
+                    args.zipf)
+    with new_fleet(args, ARMS[name]) as fleet:
+        names = {e.url: f"engine-{i}" for i, e in enumerate(fleet.engines)}
+        try:
+            url, child = start_router(ARMS[name], fleet)
+        except (RuntimeError, ChildExited, NotReady, OSError) as exc:
+            print(f"{name}: did not start: {str(exc)[:300]}", flush=True)
+            return {"arm": asdict(ARMS[name]), "error": str(exc)[-2000:]}
+        try:
+            started = time.monotonic()
+            records, deltas = asyncio.run(run_plan(url, MODEL_NAME, requests, list(names), args.warmup,
+                                                   args.max_tokens, args.timeout))
+        finally:
+            if child is not None:
+                child.stop()
+            fleet.stop_gateway()
+        summary = summarize_arm(records, deltas, requests, args.warmup, names)
+        ttft = {k: f"{v:.3f}" if v is not None else "-" for k, v in summary["ttft_s"].items()}
+        print(f"{name}: {summary['ok']}/{summary['count']} ok, TTFT mean {ttft['mean']} p90 {ttft['p90']} s, "
+              f"{summary['completed_per_s'] or 0:.2f} req/s, hit rate {summary['fleet_hit_rate'] or 0:.1%}, "
+              f"in {time.monotonic() - started:.0f} s", flush=True)
+        return {"arm": asdict(ARMS[name]), "summary": summary, "records": [asdict(r) for r in records]}
+
+
+def measure_capacity(args: argparse.Namespace) -> dict:
+    """Completed req/s with every engine kept full, the workload sent straight to them (no router, no affinity)."""
+    requests = plan(args.workload, 5_000, 1.0, args.seed + 1, args.tenants, args.zipf)
+    with new_fleet(args) as fleet:
+        print(engine_capacity_line(fleet.engines[0]), flush=True)
+        # The first answers wait for a whole round of prefills: 10 s before counting.
+        out = asyncio.run(closed_loop([e.url for e in fleet.engines], MODEL_NAME, requests, args.calibrate_inflight,
+                                      args.calibrate_s, 10.0, args.max_tokens))
+        out["kv_cache"] = engine_capacity_line(fleet.engines[0])
+    if out["requests_per_s"] <= 0:
+        raise SystemExit(f"no request completed in the {args.calibrate_s:g} s of the capacity measurement; "
+                         "give it longer (--calibrate-s) or name the rate (--rate)")
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    if args.replot:
+        print(chart(json.loads(args.replot.read_text()), args.replot.with_suffix(".png")))
+        return
+    started = time.monotonic()
+    capacity = None if args.rate is not None else measure_capacity(args)
+    if capacity is not None:
+        print(f"capacity: {capacity['requests_per_s']:.2f} req/s with every engine full", flush=True)
+        loads = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.load]
+        rates = {f"{x:g}": x * capacity["requests_per_s"] for x in loads}
+    else:
+        rates = {f"{args.rate:g} req/s": args.rate}
+    runs: dict[str, dict] = {}
+    tag = ("quick" if args.quick else "sweep" if args.sweep else
+           f"load{args.load:g}" if args.load is not None else f"rate{args.rate:g}")
+    path = args.out / f"prefix_routing_{args.workload}_{tag}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    for key, rate in rates.items():
+        sample = plan(args.workload, args.warmup + max(1, round(rate * args.duration)), rate, args.seed,
+                      args.tenants, args.zipf)
+        print(f"load {key}: {rate:.2f} req/s, {len(sample)} requests per arm ({args.warmup} warm-up), "
+              f"{first_of_key_share(sample[args.warmup:]):.1%} of the measured ones a tenant's first", flush=True)
+        runs[key] = {name: run_arm(name, args, rate) for name in args.arms}
+        report = build_report(args, capacity, {k: rates[k] for k in runs}, runs, time.monotonic() - started)
+        path.write_text(json.dumps(report, indent=2))  # after each load, so a long sweep cut short keeps some
+    print(format_table(report))
+    print(f"JSON: {path}   chart: {chart(report, path.with_suffix('.png'))}")
+
+
+def build_report(args: argparse.Namespace, capacity: dict | None, rates: dict[str, float], runs: dict[str, dict],
+                 wall_s: float) -> dict:
+    setup = (f"{args.workload}: {args.tenants} tenants, Zipf {args.zipf}, {args.max_tokens} output tokens; "
+             f"{args.engines} SmolLM2 engines, KV {args.kv_cache_memory} each, max-num-seqs {args.max_num_seqs}")
+    return {
+        "command": shlex.join(["python", "-m", "bench.prefix_routing", *sys.argv[1:]]), "setup": setup,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "capacity": capacity, "rates": rates, "wall_s": wall_s,
+        "ratios": {key: ratios(arms) for key, arms in runs.items()},
+        "knee_requests_per_s": knee_throughput(runs), "runs": runs,
+    }
+
+if __name__ == "__main__":
+    main()
