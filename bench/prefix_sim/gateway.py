@@ -1,0 +1,150 @@
+"""Gateway replicas as the simulation runs them: the gateway's real strategies (gateway/routing.py) and prefix
+layers (gateway/prefix_routing.py, gateway/kv_index.py, gateway/prefix.py), fed with each replica's own view.
+
+A replica sees engine load as of its last scrape (every 75 ms, staggered across replicas) plus its own dispatches
+since; the precise index takes each engine's KV events `delay` seconds after the engine published them; the
+approximate table learns from this replica's own routing only. The oracle sees every engine's cache and load as
+they are, with no delay, and picks the lowest estimated TTFT.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from bench.prefix_sim.engine import Job, SimEngine
+from kvfleet.gateway.kv_index import KVIndex
+from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys
+from kvfleet.gateway.routing import (
+    EndpointSnapshot,
+    RoutingContext,
+    Strategy,
+    free_slots,
+    pick,
+    strategy_named,
+)
+
+# policy -> (gateway strategy, prefix layer: None, "approximate" or "precise")
+POLICIES: dict[str, tuple[str, str | None]] = {
+    "round-robin": ("round-robin", None),
+    "least-request": ("least-request", None),
+    "approximate prefix": ("kvfleet", "approximate"),
+    "precise": ("kvfleet", "precise"),
+    "estimated-ttft": ("estimated-ttft", "precise"),
+    "oracle": ("estimated-ttft", None),  # the lowest estimated TTFT over the true state
+    "oracle scoring": ("kvfleet", None),  # kvfleet's weighted scoring over the true state
+}
+ORACLES = frozenset({"oracle", "oracle scoring"})
+EVENT_POLICIES = frozenset(name for name, (_, layer) in POLICIES.items() if layer == "precise")
+PATH = "/v1/completions"
+_HEX = [f"{t:04x}" for t in range(1 << 16)]  # a token as 4 characters: the approximate table hashes characters
+
+
+def prompt_body(token_ids: Sequence[int]) -> dict:
+    """The request body a replica sees: text for the character table, and the token ids its tokenizer would give."""
+    return {"prompt": "".join(map(_HEX.__getitem__, token_ids)), "token_ids": token_ids}
+
+
+class Replica:
+    def __init__(self, index: int, policy: str, engines: list[SimEngine], clock: Callable[[], float],
+                 delays: list[float], seed: int) -> None:
+        strategy, layer = POLICIES[policy]
+        self.index, self.engines, self.clock, self.delays = index, engines, clock, delays
+        self.strategy: Strategy = strategy_named(strategy)
+        self.rng = random.Random(seed)
+        self.turn = self.rng.randrange(len(engines))
+        self.prefix: PrefixRouting | None = None
+        if layer is not None:
+            tokenize = (lambda path, body: list(body["token_ids"])) if layer == "precise" else None
+            self.prefix = PrefixRouting(tokenize, KVIndex(), clock=clock)
+            if layer == "precise":
+                for engine in engines:
+                    self.prefix.index.reset(engine.url)  # subscribed: an empty snapshot, then the stream
+        self.cursors = [0] * len(engines)  # absolute positions in each engine's event log
+        self.scraped: list[tuple[float, int, int, int, float]] = []  # (kv usage, waiting, running, pending, at)
+        self.sent = [0] * len(engines)
+        self.sent_tokens = [0] * len(engines)
+        self.queue: deque[Job] = deque()
+
+    def scrape(self, now: float) -> None:
+        self.scraped = [(e.blocks.usage, len(e.waiting), len(e.running) + len(e.admitted),
+                         e.prefill_tokens_pending(), now) for e in self.engines]
+        self.sent = [0] * len(self.engines)
+        self.sent_tokens = [0] * len(self.engines)
+
+    def snapshots(self, now: float) -> list[EndpointSnapshot]:
+        rate, slots = self.engines[0].calibration.prefill_tokens_per_s, self.engines[0].shape.max_num_seqs
+        return [EndpointSnapshot(e.url, True, kv, waiting, running, now - at, self.sent[k], slots, pending, rate,
+                                 self.sent_tokens[k])
+                for k, (e, (kv, waiting, running, pending, at))
+                in enumerate(zip(self.engines, self.scraped, strict=True))]
+
+    def take_events(self, now: float) -> None:
+        """Apply every KV event published at least this replica's delay ago."""
+        index = self.prefix.index
+        for k, engine in enumerate(self.engines):
+            log, position, ready = engine.event_log, self.cursors[k] - engine.log_base, now - self.delays[k]
+            while position < len(log) and log[position][0] <= ready:
+                index.apply(engine.url, log[position][1])
+                position += 1
+            self.cursors[k] = position + engine.log_base
+
+    def route(self, job: Job, now: float, must: bool = False) -> int | None:
+        """The engine this replica sends job to, or None: every engine is saturated and it waits in the queue."""
+        keys: PromptKeys | None = None
+        matches: dict[str, float] = {}
+        tokens = job.seq.num_prompt_tokens
+        if self.prefix is not None:
+            if self.prefix.tokenize is not None:
+                self.take_events(now)
+            keys = self.prefix.keys(PATH, job.meta["body"])
+            matches = self.prefix.matches(keys)
+        endpoints = self.snapshots(now)
+        chosen = pick(self.strategy, endpoints, RoutingContext(matches, must=must, turn=self.turn, num_tokens=tokens),
+                      self.rng)
+        if chosen is None:
+            return None
+        self.turn += 1
+        k = next(i for i, e in enumerate(endpoints) if e is chosen)
+        self.sent[k] += 1
+        if keys is not None:
+            self.sent_tokens[k] += self.prefix.uncached_tokens(keys, chosen.url)
+            self.prefix.record(keys, chosen.url)
+        else:
+            self.sent_tokens[k] += tokens
+        return k
+
+    def releasable(self, now: float) -> int:
+        """How many queued requests the fleet can take now, by this replica's view (gateway/routing.py free_slots)."""
+        return free_slots(self.snapshots(now)) if self.queue else 0
+
+
+class Oracle:
+    """Knows every engine's cache and load exactly, with no delay, and routes by a gateway strategy over them:
+    estimated TTFT (the brief's oracle), or weighted scoring (greedy TTFT trades cache locality for load, so its hit
+    rate is not the most a router can reach; this one shows what scoring reaches with perfect knowledge)."""
+
+    def __init__(self, engines: list[SimEngine], seed: int, policy: str = "oracle") -> None:
+        self.engines, self.rng = engines, random.Random(seed)
+        self.strategy = strategy_named(POLICIES[policy][0])
+        self.queue: deque[Job] = deque()
+
+    def route(self, job: Job, now: float, must: bool = False) -> int | None:
+        seq, n = job.seq, job.seq.num_prompt_tokens
+        matches = {e.url: e.blocks.cached_prefix_tokens(e.blocks.find_cached_prefix(seq)) / n for e in self.engines}
+        endpoints = [EndpointSnapshot(e.url, True, e.blocks.usage, len(e.waiting), len(e.running) + len(e.admitted),
+                                      0.0, 0, e.shape.max_num_seqs, e.prefill_tokens_pending(),
+                                      e.calibration.prefill_tokens_per_s) for e in self.engines]
+        chosen = pick(self.strategy, endpoints, RoutingContext(matches, must=must, num_tokens=n), self.rng)
+        return None if chosen is None else next(i for i, e in enumerate(endpoints) if e is chosen)
+
+    def releasable(self, now: float) -> int:
+        if not self.queue:
+            return 0
+        return free_slots([EndpointSnapshot(e.url, True, e.blocks.usage, len(e.waiting),
+                                            len(e.running) + len(e.admitted), 0.0, 0, e.shape.max_num_seqs)
+                           for e in self.engines])
+
+    def scrape(self, now: float) -> None:
+        pass
