@@ -122,7 +122,8 @@ class WeightedScoring:
 
 @dataclass(frozen=True)
 class LeastRequest:
-    """Available endpoints with the fewest running and queued requests; a random one among equals."""
+    """Available endpoints with the fewest outstanding requests (running, waiting, and sent since the scrape, as
+    Envoy's and every load balancer's least-request counts them); a random one among equals."""
 
     policy: SaturationPolicy = SaturationPolicy()
 
@@ -131,8 +132,12 @@ class LeastRequest:
         candidates = available(endpoints, self.policy)
         if not candidates:
             return None
-        fewest = min(e.num_running + e.queue_depth for e in candidates)
-        return rng.choice([e for e in candidates if e.num_running + e.queue_depth == fewest])
+        fewest = min(outstanding(e) for e in candidates)
+        return rng.choice([e for e in candidates if outstanding(e) == fewest])
+
+
+def outstanding(e: EndpointSnapshot) -> int:
+    return e.num_running + e.num_waiting + e.in_flight
 
 
 @dataclass(frozen=True)
