@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,17 +86,9 @@ def resolve_tokenizer(model: str, cache_dir: Path | None = None) -> Path:
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final_dir = cache_dir / "tokenizers" / f"{known.name}-{gguf_fingerprint(gguf_path)}"
     if not final_dir.is_dir():
-        final_dir.parent.mkdir(parents=True, exist_ok=True)
-        build_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.building-", dir=final_dir.parent))
-        try:
-            from kvfleet.engine.gguf_convert import save_tokenizer
+        from kvfleet.engine.gguf_convert import save_tokenizer
 
-            save_tokenizer(gguf_path, build_dir)
-            make_readable(build_dir)
-        except BaseException:
-            shutil.rmtree(build_dir, ignore_errors=True)
-            raise
-        install_dir(build_dir, final_dir)
+        build_cached(final_dir, lambda build_dir: save_tokenizer(gguf_path, build_dir))
     return final_dir
 
 
@@ -138,22 +131,28 @@ def converted_model_dir(gguf_path: Path, cache_dir: Path, name: str) -> Path:
             "(set KVFLEET_CACHE_DIR to move the cache)",
             file=sys.stderr,
         )
-        final_dir.parent.mkdir(parents=True, exist_ok=True)
-        build_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.building-", dir=final_dir.parent))
-        try:
-            from kvfleet.engine.gguf_convert import convert_gguf_to_hf  # torch: only when converting
+        from kvfleet.engine.gguf_convert import convert_gguf_to_hf  # torch: only when converting
 
-            convert_gguf_to_hf(gguf_path, build_dir)
-            make_readable(build_dir)
-        except BaseException:
-            shutil.rmtree(build_dir, ignore_errors=True)
-            raise
-        install_dir(build_dir, final_dir)
+        build_cached(final_dir, lambda build_dir: convert_gguf_to_hf(gguf_path, build_dir))
     try:
         check_model_dir(final_dir)
     except ModelNotFoundError as err:
         raise ModelNotFoundError(f"{err}. The cache entry is damaged: delete {final_dir} and retry") from err
     return final_dir
+
+
+def build_cached(final_dir: Path, build: Callable[[Path], None]) -> None:
+    """Build a cache entry in a temporary directory beside it, then move it into place (build's failure leaves
+    nothing behind)."""
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    build_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.building-", dir=final_dir.parent))
+    try:
+        build(build_dir)
+        make_readable(build_dir)
+    except BaseException:
+        shutil.rmtree(build_dir, ignore_errors=True)
+        raise
+    install_dir(build_dir, final_dir)
 
 
 def install_dir(build_dir: Path, final_dir: Path) -> Path:

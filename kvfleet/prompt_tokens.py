@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -23,7 +24,7 @@ log = logging.getLogger("kvfleet.gateway")
 MAX_TOKENIZED_CHARS = 32_768  # ~8k tokens of English: prefixes longer than this all route alike
 CUT_TOKENS = 8  # tokens dropped after a cut: a word split by the cut tokenizes differently from the whole one
 CACHED_PIECE_CHARS = 256  # shorter pieces (role names, questions) are cheap to tokenize again
-CACHED_PIECES = 1024  # at most 1024 x 32k characters remembered
+CACHED_PIECES = 1024  # at most 1024 x 32k characters and their tokens (~64 MiB) remembered
 
 Tokenize = Callable[[str, dict], "list[int] | None"]
 
@@ -93,7 +94,7 @@ class PieceTokenizer:
         self.added = dict(hf.get_added_vocab())
         names = sorted(self.added, key=len, reverse=True)
         self.split = re.compile("(" + "|".join(map(re.escape, names)) + ")").split if names else None
-        self.cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.cache: OrderedDict[str, array] = OrderedDict()
 
     def encode(self, text: str) -> list[int]:
         if self.split is None:
@@ -111,12 +112,13 @@ class PieceTokenizer:
             return self.backend.encode(piece, add_special_tokens=False).ids
         ids = self.cache.get(piece)
         if ids is None:
-            ids = self.cache[piece] = self.backend.encode(piece, add_special_tokens=False).ids
+            # 4 bytes a token, not a list's ~36: clients choose what fills this cache
+            ids = self.cache[piece] = array("I", self.backend.encode(piece, add_special_tokens=False).ids)
             if len(self.cache) > CACHED_PIECES:
                 self.cache.popitem(last=False)
         else:
             self.cache.move_to_end(piece)
-        return ids
+        return ids.tolist()
 
     def agrees_with(self, hf) -> bool:  # noqa: ANN001
         """Whether pieces give the whole text's tokens on a few conversations (added tokens with lstrip/rstrip or a
