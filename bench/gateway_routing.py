@@ -28,10 +28,12 @@ from bench.fleet_procs import MODEL_NAME, BenchFleet, cpu_used
 from bench.loop_lag import describe_lag, with_loop_lag
 from bench.plotting import finish, pyplot
 from kvfleet.bench_report import summarize
+from kvfleet.gateway.strategies import STRATEGIES
 from kvfleet.loadgen import LoadSpec, run_load
 
-STRATEGIES = ("round-robin", "least-request", "kvfleet")
-COLORS = {"round-robin": "tab:gray", "least-request": "tab:blue", "kvfleet": "tab:green"}
+DEFAULT_STRATEGIES = ("round-robin", "least-request", "kvfleet")
+COLORS = {"round-robin": "tab:gray", "least-request": "tab:blue", "kvfleet": "tab:green",
+          "estimated-ttft": "tab:orange", "prefix-affinity": "tab:purple"}
 TARGET_P99_RATIO = 0.6
 
 
@@ -44,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calibrate-s", type=float, default=15.0, help="seconds of the capacity measurement")
     parser.add_argument("--prompt-words", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                        help=f"comma-separated, of {', '.join(STRATEGIES)} (round-robin is always run: the reference)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="short calibration and runs, to check it works")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -51,6 +55,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.duration, args.calibrate_s = 5.0, 4.0
+    args.strategies = ["round-robin", *(n for n in args.strategies.split(",") if n and n != "round-robin")]
+    unknown = [n for n in args.strategies if n not in STRATEGIES]
+    if unknown:
+        parser.error(f"unknown strategies {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
     return args
 
 
@@ -75,7 +83,7 @@ def main() -> None:
                         prompt_words=args.prompt_words, max_tokens=args.max_tokens, ignore_eos=True,
                         model=MODEL_NAME, seed=args.seed)
         runs = {}
-        for strategy in STRATEGIES:
+        for strategy in args.strategies:
             fleet.wait_idle()
             spec.url = fleet.start_gateway(strategy, fleet=f"routing-{strategy}")
             cpu_before, run_started = fleet.cpu_snapshot(), time.monotonic()
@@ -94,8 +102,8 @@ def main() -> None:
                     for u, s in zip(names, seqs, strict=True)},
         "capacity_requests_per_s": capacity["requests_per_s"], "load": args.load, "rate": rate,
         "spec": spec.public() | {"url": "gateway"}, "wall_s": time.monotonic() - started,
-        "p99_ttft_ratio_kvfleet_to_round_robin": _ratio(runs, "kvfleet"),
-        "p99_ttft_ratio_least_request_to_round_robin": _ratio(runs, "least-request"),
+        **{f"p99_ttft_ratio_{name.replace('-', '_')}_to_round_robin": _ratio(runs, name) for name in runs
+           if name != "round-robin"},
         "target_p99_ttft_ratio": TARGET_P99_RATIO, "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -120,16 +128,17 @@ def format_table(report: dict) -> str:
         rows.append(f"{strategy:<14} {s['ok']:>4}/{s['count']:<4}  {_s(s['ttft_s']['p50']):>9} "
                     f"{_s(s['ttft_s']['p99']):>9}  {_s(s['e2e_s']['p50']):>8} {_s(s['e2e_s']['p99']):>8}  {share}")
     capacity = " / ".join(f"{v['capacity_requests_per_s']:.2f}" for v in report["engines"].values())
-    ratio = report["p99_ttft_ratio_kvfleet_to_round_robin"]
-    verdict = "-" if ratio is None else "met" if ratio <= report["target_p99_ttft_ratio"] else "NOT met"
-    lr = report["p99_ttft_ratio_least_request_to_round_robin"]
+    ratios = {name: report.get(f"p99_ttft_ratio_{name.replace('-', '_')}_to_round_robin") for name in report["runs"]
+              if name != "round-robin"}
+    target = report["target_p99_ttft_ratio"]
     return "\n".join([
         f"\n{report['command']}",
         f"fleet capacity {report['capacity_requests_per_s']:.2f} req/s (per engine {capacity}); "
         f"load {report['rate']:.2f} req/s ({report['load']:.0%}), Poisson, seed {report['spec']['seed']}",
         *rows,
-        f"p99 TTFT kvfleet / round-robin = {_x(ratio)} (target <= {report['target_p99_ttft_ratio']}: {verdict}); "
-        f"least-request / round-robin = {_x(lr)}",
+        "p99 TTFT / round-robin's (target <= " + f"{target}): " + "; ".join(
+            f"{name} {_x(r)} ({'-' if r is None else 'met' if r <= target else 'NOT met'})"
+            for name, r in ratios.items()),
         "CPU during each run (cores; capacity was measured without a gateway): " + "; ".join(
             f"{strategy} {_cpu_split(run['cpu_cores'])}" for strategy, run in report["runs"].items()),
         describe_lag(max(run["client_loop_lag_s"] for run in report["runs"].values())),
@@ -175,7 +184,7 @@ def chart(report: dict, path: Path) -> Path | None:
     fig.suptitle(f"{len(report['engines'])} engines (max-num-seqs {seqs}), capacity "
                  f"{report['capacity_requests_per_s']:.1f} req/s, Poisson at {report['rate']:.1f} req/s "
                  f"({report['load']:.0%}); p99 TTFT kvfleet / round-robin = "
-                 f"{_x(report['p99_ttft_ratio_kvfleet_to_round_robin'])}")
+                 f"{_x(report.get('p99_ttft_ratio_kvfleet_to_round_robin'))}")
     return finish(fig, path, (cdf, bars))
 
 

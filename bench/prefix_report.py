@@ -3,6 +3,7 @@ own prefix hit rates; ratios against least-request and sglang-router's cache_awa
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from bench.plotting import finish, pyplot
@@ -10,7 +11,7 @@ from bench.prefix_workload import PlannedChat
 from kvfleet.bench_report import percentile
 from kvfleet.loadgen import RequestRecord
 
-LOAD_ONLY, PEER = "least-request", "sglang-router"
+LOAD_ONLY, PEER, STRONGEST_PEER = "least-request", "sglang-router", "smg"
 # The issue's targets, for arms that are kvfleet's own: ratio name -> (most allowed, which is better).
 TARGETS = {"p90_ttft_vs_least_request": 0.3, "mean_ttft_vs_sglang_router": 0.8}
 KNEE_TARGET = 1.5  # throughput at the knee ÷ least-request's, at least
@@ -60,6 +61,7 @@ def _div(a: float | None, b: float | None) -> float | None:
 def ratios(arms: dict[str, dict]) -> dict[str, dict]:
     """Per arm that ran: p90 and mean TTFT and throughput against least-request, mean TTFT against sglang-router."""
     lr, peer = arms.get(LOAD_ONLY, {}).get("summary"), arms.get(PEER, {}).get("summary")
+    strongest = arms.get(STRONGEST_PEER, {}).get("summary")
     out = {}
     for name, arm in arms.items():
         s = arm.get("summary")
@@ -70,7 +72,32 @@ def ratios(arms: dict[str, dict]) -> dict[str, dict]:
             "mean_ttft_vs_least_request": lr and _div(s["ttft_s"]["mean"], lr["ttft_s"]["mean"]),
             "throughput_vs_least_request": lr and _div(s["completed_per_s"], lr["completed_per_s"]),
             "mean_ttft_vs_sglang_router": peer and _div(s["ttft_s"]["mean"], peer["ttft_s"]["mean"]),
+            "mean_ttft_vs_smg": strongest and _div(s["ttft_s"]["mean"], strongest["ttft_s"]["mean"]),
         }
+    return out
+
+
+def pooled(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Several rounds of the same arms on a noisy machine: per arm, each ratio's geometric mean over the rounds (a
+    ratio is taken within one round, where the arms shared the machine's state), and each figure's mean."""
+    per_round = [ratios(arms) for arms in rounds]
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys(n for arms in rounds for n in arms):
+        summaries = [arms[name]["summary"] for arms in rounds if (arms.get(name) or {}).get("summary")]
+        if not summaries:
+            continue
+        row: dict = {"rounds": len(summaries)}
+        figures = {"ttft_mean_s": lambda s: s["ttft_s"]["mean"], "ttft_p90_s": lambda s: s["ttft_s"]["p90"],
+                   "hit_rate": lambda s: s["fleet_hit_rate"], "completed_per_s": lambda s: s["completed_per_s"]}
+        for figure, pick in figures.items():
+            values = [v for v in map(pick, summaries) if v is not None]
+            row[figure] = sum(values) / len(values) if values else None
+        for ratio in ("p90_ttft_vs_least_request", "mean_ttft_vs_least_request", "mean_ttft_vs_sglang_router",
+                      "mean_ttft_vs_smg"):
+            values = [r[name][ratio] for r in per_round if name in r and r[name].get(ratio)]
+            row[ratio] = math.prod(values) ** (1 / len(values)) if values else None
+            row[f"{ratio}_each"] = values
+        out[name] = row
     return out
 
 
@@ -93,7 +120,7 @@ def _f(value: float | None, spec: str = ".3f") -> str:
 def format_table(report: dict) -> str:
     lines = [f"\n{report['command']}", report["setup"]]
     for load, arms in report["runs"].items():
-        lines.append(f"\nload {load} ({report['rates'][load]:.2f} req/s offered):")
+        lines.append(f"\nload {load} ({report['rates'][load.split(' round ')[0]]:.2f} req/s offered):")
         lines.append(f"{'arm':<22} {'ok/n':>8} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'p99':>7} {'e2e p90':>8} "
                      f"{'req/s':>6} {'hit%':>5} {'firsts':>6}  engines: share (hit%)  | p90/LR mean/LR mean/sglang")
         table_ratios = report["ratios"][load]
@@ -119,6 +146,18 @@ def format_table(report: dict) -> str:
     worst = max(firsts, default=0.0)
     lines.append(f"\nfirst requests of a tenant/conversation among measured requests: at most {worst:.1%} "
                  f"({'under' if worst < 0.05 else 'NOT under'} the 5% the targets need)")
+    for load, rows in report.get("pooled", {}).items():
+        lines.append(f"\nload {load}, {max(r['rounds'] for r in rows.values())} rounds pooled (figures: mean over "
+                     "rounds; ratios: geometric mean of each round's, each round's in brackets):")
+        for name, r in rows.items():
+            each = {k: "/".join(_f(v, ".2f") for v in r[f"{k}_each"]) for k in
+                    ("p90_ttft_vs_least_request", "mean_ttft_vs_sglang_router", "mean_ttft_vs_smg")}
+            lines.append(
+                f"{name:<22} mean {_f(r['ttft_mean_s'])} p90 {_f(r['ttft_p90_s'])} hit "
+                f"{_f(r['hit_rate'] and 100 * r['hit_rate'], '.1f')}% | p90/LR "
+                f"{_f(r['p90_ttft_vs_least_request'], '.2f')} [{each['p90_ttft_vs_least_request']}] mean/sglang "
+                f"{_f(r['mean_ttft_vs_sglang_router'], '.2f')} [{each['mean_ttft_vs_sglang_router']}] mean/smg "
+                f"{_f(r['mean_ttft_vs_smg'], '.2f')} [{each['mean_ttft_vs_smg']}]")
     knee = report["knee_requests_per_s"]
     lines.append("throughput at the knee (most completed req/s over the loads): " + ", ".join(
         f"{n} {_f(v, '.2f')} ({_f(_div(v, knee.get(LOAD_ONLY)), '.2f')}x LR)" for n, v in knee.items()))
@@ -135,19 +174,19 @@ def chart(report: dict, path: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     names = list(dict.fromkeys(n for arms in report["runs"].values() for n in arms))
-    one_load = len(report["runs"]) == 1
+    one_load = len(report["rates"]) == 1  # bars (the mean over rounds, if several); else lines over the loads
     figures = {"TTFT p90 (s, lower is better)": lambda s: s["ttft_s"]["p90"],
                "mean TTFT (s, lower is better)": lambda s: s["ttft_s"]["mean"],
                "fleet prefix hit rate (engines' counters)": lambda s: s["fleet_hit_rate"]}
     for i, name in enumerate(names):
-        points = [(report["rates"][key], arms[name]["summary"]) for key, arms in report["runs"].items()
-                  if arms.get(name, {}).get("summary")]
+        points = [(report["rates"][key.split(" round ")[0]], arms[name]["summary"])
+                  for key, arms in report["runs"].items() if arms.get(name, {}).get("summary")]
         if not points:
             continue
         for ax, value in zip(axes, figures.values(), strict=True):
             ys = [value(s) or 0 for _, s in points]
             if one_load:
-                ax.bar_label(ax.bar([i], ys, label=name, color=f"C{i}"), fmt="%.2f", fontsize=7)
+                ax.bar_label(ax.bar([i], [sum(ys) / len(ys)], label=name, color=f"C{i}"), fmt="%.2f", fontsize=7)
             else:
                 ax.plot([p[0] for p in points], ys, marker="o", label=name, color=f"C{i}")
     for ax, title in zip(axes, figures, strict=True):

@@ -33,7 +33,7 @@ from pathlib import Path
 from bench import peers
 from bench.fleet_procs import MODEL_NAME, BenchFleet
 from bench.prefix_client import closed_loop, run_plan
-from bench.prefix_report import chart, format_table, knee_throughput, ratios, summarize_arm
+from bench.prefix_report import chart, format_table, knee_throughput, pooled, ratios, summarize_arm
 from bench.prefix_workload import WORKLOADS, first_of_key_share, plan
 from kvfleet.redis_server import free_port
 from kvfleet.supervisor import Child, ChildExited, NotReady
@@ -63,6 +63,8 @@ ARMS: dict[str, Arm] = {
     "kvfleet-precise": Arm("kvfleet", "kvfleet", TOKENIZER),
     "estimated-ttft": Arm("kvfleet", "estimated-ttft", TOKENIZER),
     "estimated-ttft-x2": Arm("kvfleet", "estimated-ttft", TOKENIZER, replicas=2),
+    "prefix-affinity": Arm("kvfleet", "prefix-affinity", TOKENIZER),
+    "prefix-affinity-x2": Arm("kvfleet", "prefix-affinity", TOKENIZER, replicas=2),
     "sglang-router": Arm("sglang-router", "cache_aware"),
     "smg": Arm("smg", "cache_aware"),
     "vllm-router": Arm("vllm-router", "cache_aware"),
@@ -92,6 +94,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=180.0, help="seconds a request may take")
     p.add_argument("--redis", action="store_true", help="kvfleet gateways queue in Redis (default: in process)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the arms this many times, in alternating order, and pool them (a noisy machine)")
     p.add_argument("--quick", action="store_true", help="a ~3-minute smoke of every arm; figures are noise")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--replot", type=Path, help="redraw an earlier run's chart from its JSON and exit")
@@ -211,8 +215,11 @@ def main() -> None:
                       args.tenants, args.zipf)
         print(f"load {key}: {rate:.2f} req/s, {len(sample)} requests per arm ({args.warmup} warm-up), "
               f"{first_of_key_share(sample[args.warmup:]):.1%} of the measured ones a tenant's first", flush=True)
-        runs[key] = {name: run_arm(name, args, rate) for name in args.arms}
-        report = build_report(args, capacity, {k: rates[k] for k in runs}, runs, time.monotonic() - started)
+        for r in range(args.rounds):
+            order = args.arms if r % 2 == 0 else args.arms[::-1]
+            done = {name: run_arm(name, args, rate) for name in order}
+            runs[key if args.rounds == 1 else f"{key} round {r + 1}"] = {name: done[name] for name in args.arms}
+            report = build_report(args, capacity, rates, runs, time.monotonic() - started)
         path.write_text(json.dumps(report, indent=2))  # after each load, so a long sweep cut short keeps some
     print(format_table(report))
     print(f"JSON: {path}   chart: {chart(report, path.with_suffix('.png'))}")
@@ -228,6 +235,9 @@ def build_report(args: argparse.Namespace, capacity: dict | None, rates: dict[st
         "capacity": capacity, "rates": rates, "wall_s": wall_s,
         "ratios": {key: ratios(arms) for key, arms in runs.items()},
         "knee_requests_per_s": knee_throughput(runs), "runs": runs,
+        "pooled": {} if args.rounds == 1 else {key: pooled([arms for k, arms in runs.items()
+                                                              if k.startswith(f"{key} round ")]) for key in rates
+                                          if f"{key} round 1" in runs},
     }
 
 if __name__ == "__main__":

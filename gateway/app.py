@@ -36,8 +36,9 @@ from kvfleet.gateway.kv_events_client import KVEventFollower
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys, Tokenize
 from kvfleet.gateway.proxy import Forwarder
-from kvfleet.gateway.routing import PREFIX_STRATEGIES, available, free_slots
+from kvfleet.gateway.routing import available, free_slots
 from kvfleet.gateway.scraper import Scraper
+from kvfleet.gateway.strategies import PREFIX_STRATEGIES
 from kvfleet.gateway.usage import Settlement, ask_stream_usage
 
 log = logging.getLogger("kvfleet.gateway")

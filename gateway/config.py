@@ -10,7 +10,8 @@ from kvfleet.fleet.engine_settings import ENGINE_API_KEY_ENV
 from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import Priority
-from kvfleet.gateway.routing import STRATEGIES, SaturationPolicy, ScoreWeights
+from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
+from kvfleet.gateway.strategies import STRATEGIES
 
 ROUTING_STRATEGIES = tuple(STRATEGIES)  # the routing registry's names, in its order
 # python: this process proxies; envoy: it runs Envoy as its child; envoy-sidecar: an Envoy beside it (the chart's

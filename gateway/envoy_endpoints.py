@@ -23,7 +23,8 @@ from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.envoy_config import ENGINES_CLUSTER
 from kvfleet.gateway.prefix_routing import PromptKeys
 from kvfleet.gateway.proxy import Forwarder
-from kvfleet.gateway.routing import RoutingContext, pick, strategy_named
+from kvfleet.gateway.routing import RoutingContext, pick
+from kvfleet.gateway.strategies import strategy_named
 
 log = logging.getLogger("kvfleet.gateway.envoy")
 

@@ -26,7 +26,8 @@ from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.failure_class import AnswerClass, classify
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys
-from kvfleet.gateway.routing import RoutingContext, pick, strategy_named
+from kvfleet.gateway.routing import RoutingContext, pick
+from kvfleet.gateway.strategies import strategy_named
 from kvfleet.gateway.usage import Settlement, StreamUsageMeter, answer_usage
 
 log = logging.getLogger(__name__)

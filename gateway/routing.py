@@ -1,18 +1,17 @@
 """Which engine serves a request: pure decisions over endpoint snapshots (after llm-d's filters, scorers, picker).
 
-Strategies are registered by name in STRATEGIES: "kvfleet" drops unhealthy and saturated endpoints and combines the
-weighted signals of scorers.py; least-request and round-robin stay selectable for comparison.
+The load-only strategies and the weighted scorer live here, the ones that estimate time to first token in
+ttft_routing.py; strategies.py registers them by name.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Protocol
 
-from kvfleet.gateway.scorers import KVHeadroom, PrefixMatch, QueueRoom, Scorer
+from kvfleet.gateway.scorers import Scorer
 
 
 @dataclass(frozen=True)
@@ -148,83 +147,6 @@ class RoundRobin:
                rng: random.Random) -> EndpointSnapshot | None:
         healthy = [e for e in endpoints if e.healthy]
         return healthy[request.turn % len(healthy)] if healthy else None
-
-
-@dataclass(frozen=True)
-class EstimatedTTFT:
-    """After Dynamo's KV router: each available engine's estimated time to this request's first token, the prompt
-    tokens it must compute first (its pending prefill, this gateway's dispatches it has not reported yet, and this
-    request's tokens not in its prefix cache) over the rate it computes them, plus the wait for a batch slot when its
-    batch is full (its decode load); the lowest wins. Engines within
-    tie_tolerance of the best are equals, one taken at random: replicas reading the same scrape do not all pick the
-    same one (with two near-equal engines, the better of two random choices would)."""
-
-    policy: SaturationPolicy = SaturationPolicy()
-    default_rate: float = 2000.0  # tokens/s for an engine that has not measured its own (vLLM pods, new engines)
-    tie_tolerance: float = 0.1  # relative
-    tie_floor_s: float = 0.0005  # estimates this close are a tie whatever their ratio
-
-    same_hardware: float = 1.5  # measured rates within this factor of the fleet's median are taken as the median
-
-    def estimate(self, e: EndpointSnapshot, request: RoutingContext, typical_rate: float | None = None) -> float:
-        """Seconds of prefill ahead of this request's first token on e. An engine's own rate is used only where it
-        differs from the fleet's typical (median) one by more than `same_hardware`: a rate measured over a few
-        steps is noisy, and it feeds back (an engine measured fast gets more requests, so bigger batches, which
-        measure faster), herding a burst onto it; engines on other hardware differ by more than that."""
-        uncached = request.num_tokens * (1.0 - request.prefix_matches.get(e.url, 0.0))
-        rate = typical_rate or self.default_rate
-        if e.prefill_rate and not 1 / self.same_hardware <= e.prefill_rate / rate <= self.same_hardware:
-            rate = e.prefill_rate
-        return (e.prefill_tokens_pending + e.in_flight_tokens + uncached) / rate + self.slot_wait(e)
-
-    @staticmethod
-    def slot_wait(e: EndpointSnapshot) -> float:
-        """The decode load: with its batch full, a request waits for a slot; with c slots each held for s seconds
-        one frees every s / c seconds, and the k-th request past the full batch waits k of those."""
-        if not e.max_num_seqs or not e.slot_seconds:
-            return 0.0
-        beyond = e.num_running + e.num_waiting + e.in_flight - e.max_num_seqs + 1
-        return max(0, beyond) * e.slot_seconds / e.max_num_seqs
-
-    def choose(self, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
-               rng: random.Random) -> EndpointSnapshot | None:
-        candidates = available(endpoints, self.policy)
-        if not candidates:
-            return None
-        # an engine that has not measured its rate yet (just started, or idle since) is taken to be as fast as the
-        # median of those that have: fleets serve one model, and a constant would favour or shun it wrongly
-        rates = sorted(e.prefill_rate for e in endpoints if e.prefill_rate)
-        typical = rates[len(rates) // 2] if rates else None
-        estimates = [self.estimate(e, request, typical) for e in candidates]
-        best = min(estimates)
-        limit = max(best * (1.0 + self.tie_tolerance), best + self.tie_floor_s)
-        near = [e for t, e in zip(estimates, candidates, strict=True) if t <= limit]
-        return near[0] if len(near) == 1 else rng.choice(near)
-
-
-def weighted_scoring(weights: ScoreWeights, policy: SaturationPolicy) -> Strategy:
-    return WeightedScoring(((weights.queue, QueueRoom(policy.max_queue)), (weights.kv, KVHeadroom()),
-                            (weights.prefix, PrefixMatch())), policy)
-
-
-# The one registry of strategies: `--routing` offers exactly these names, in this order.
-STRATEGIES: dict[str, Callable[[ScoreWeights, SaturationPolicy], Strategy]] = {
-    "kvfleet": weighted_scoring,
-    "least-request": lambda weights, policy: LeastRequest(policy),
-    "round-robin": lambda weights, policy: RoundRobin(),
-    "estimated-ttft": lambda weights, policy: EstimatedTTFT(policy),
-}
-# The strategies that read a prompt's prefix (the gateway computes its keys and follows KV events only for these).
-PREFIX_STRATEGIES = frozenset({"kvfleet", "estimated-ttft"})
-
-
-@cache
-def strategy_named(name: str, weights: ScoreWeights = ScoreWeights(),
-                   policy: SaturationPolicy = SaturationPolicy()) -> Strategy:
-    """The registered strategy called name, built once per setting."""
-    if name not in STRATEGIES:
-        raise ValueError(f"--routing must be one of {', '.join(STRATEGIES)}, not {name!r}")
-    return STRATEGIES[name](weights, policy)
 
 
 def pick(strategy: Strategy, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,

@@ -16,7 +16,8 @@ from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.local_queue import LocalQueue
 from kvfleet.gateway.prefix import PrefixAffinity, prompt_text
 from kvfleet.gateway.queue_order import QueueEntry, queue_score
-from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, free_slots, pick, strategy_named
+from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, free_slots, pick
+from kvfleet.gateway.strategies import strategy_named
 
 C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
 KVFLEET = strategy_named("kvfleet")

@@ -1,7 +1,7 @@
 """Precise prefix routing: two gateway replicas, each following both engines' KV events and tokenizing prompts as the
 engines do (--tokenizer), send a tenant to the engine that holds its system prompt's blocks (even when neither
 replica ever routed that tenant), and stop once that engine reports the blocks evicted: with the weighted scorer
-and with the estimated-TTFT strategy."""
+and with prefix affinity."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def engines(tiny_model_dir):
 
 # estimated-ttft is left out: after the eviction it sent some of the tenant's requests back to the former holder in
 # 3 of 5 runs (noisy prefill rates of the tiny model outweigh the cached share); issue 15's next slice.
-@pytest.fixture(scope="module", params=["kvfleet"])
+@pytest.fixture(scope="module", params=["kvfleet", "prefix-affinity"])
 def gateways(request, engines, tiny_model_dir, redis_server_module):
     started = []
     try:

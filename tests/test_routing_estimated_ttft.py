@@ -10,7 +10,8 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet.gateway.routing import EndpointSnapshot, EstimatedTTFT, RoutingContext, SaturationPolicy
+from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, SaturationPolicy
+from kvfleet.gateway.ttft_routing import EstimatedTTFT
 
 STRATEGY = EstimatedTTFT()
 

@@ -12,16 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfleet.gateway.config import ROUTING_STRATEGIES
-from kvfleet.gateway.routing import (
-    STRATEGIES,
-    EndpointSnapshot,
-    RoutingContext,
-    SaturationPolicy,
-    ScoreWeights,
-    pick,
-    strategy_named,
-)
+from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, SaturationPolicy, ScoreWeights, pick
 from kvfleet.gateway.scorers import KVHeadroom, PrefixMatch, QueueRoom
+from kvfleet.gateway.strategies import STRATEGIES, strategy_named
 
 # --- the former routing code, verbatim but for names --------------------------------------------------------------
 
@@ -126,7 +119,8 @@ def test_each_signal_scores_every_candidate_between_zero_and_one(fleet) -> None:
 
 
 def test_routing_flag_offers_exactly_the_registered_strategies() -> None:
-    assert ROUTING_STRATEGIES == tuple(STRATEGIES) == ("kvfleet", "least-request", "round-robin", "estimated-ttft")
+    assert ROUTING_STRATEGIES == tuple(STRATEGIES) == ("kvfleet", "least-request", "round-robin", "estimated-ttft",
+                                                               "prefix-affinity")
 
 
 def test_least_request_counts_the_requests_it_sent_since_the_scrape_even_into_free_batch_slots() -> None:

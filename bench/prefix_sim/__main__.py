@@ -14,6 +14,7 @@ from bench.prefix_sim.calibrate import Calibration
 from bench.prefix_sim.engine import EngineShape
 from bench.prefix_sim.gateway import POLICIES
 from bench.prefix_sim.model import FleetShape, fleet_capacity_rps, simulate
+from bench.prefix_sim.peers import SGLANG
 from bench.prefix_sim.report import relate, summarize, write
 from bench.prefix_sim.workload import WorkloadShape, poisson_trace
 
@@ -40,7 +41,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--event-delay-ms", type=float, nargs=2, default=[5.0, 50.0], metavar=("LOW", "HIGH"))
     parser.add_argument("--calibration", type=Path,
                         help="JSON with prefill_tokens_per_s and decode_step_s {batch: seconds} (e.g. GPU figures)")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES), metavar="POLICY")
+    parser.add_argument("--policies", nargs="+", default=[*POLICIES, SGLANG], choices=[*POLICIES, SGLANG],
+                        metavar="POLICY")
+    parser.add_argument("--system-tokens", type=int, nargs=2, default=list(WorkloadShape.system_tokens),
+                        metavar=("LOW", "HIGH"), help="each tenant's system prompt length, uniform")
+    parser.add_argument("--question-tokens", type=int, nargs=2, default=list(WorkloadShape.question_tokens),
+                        metavar=("LOW", "HIGH"))
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=list(WorkloadShape.output_tokens),
+                        metavar=("LOW", "HIGH"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", help="of the files written: NAME.json, .md, .png (default prefix_sim[_quick])")
@@ -64,7 +72,8 @@ def main() -> None:
         engine = EngineShape(args.num_blocks, args.block_size, args.max_num_seqs)
         fleet = FleetShape(args.engines, args.replicas, (args.event_delay_ms[0] / 1e3, args.event_delay_ms[1] / 1e3),
                            engine)
-        workload = WorkloadShape(tenants=args.tenants, zipf_s=args.zipf)
+        workload = WorkloadShape(args.tenants, tuple(args.system_tokens), tuple(args.question_tokens),
+                                 tuple(args.output_tokens), args.zipf)
     except (ValueError, OSError, KeyError) as error:
         sys.exit(f"prefix_sim: {error}")
     capacity = fleet_capacity_rps(fleet, workload.mean_prompt_tokens, sum(workload.system_tokens) / 2,

@@ -22,8 +22,8 @@ from kvfleet.gateway.routing import (
     Strategy,
     free_slots,
     pick,
-    strategy_named,
 )
+from kvfleet.gateway.strategies import strategy_named
 
 # policy -> (gateway strategy, prefix layer: None, "approximate" or "precise")
 POLICIES: dict[str, tuple[str, str | None]] = {
@@ -32,6 +32,7 @@ POLICIES: dict[str, tuple[str, str | None]] = {
     "approximate prefix": ("kvfleet", "approximate"),
     "precise": ("kvfleet", "precise"),
     "estimated-ttft": ("estimated-ttft", "precise"),
+    "prefix-affinity": ("prefix-affinity", "precise"),
     "oracle": ("estimated-ttft", None),  # the lowest estimated TTFT over the true state
     "oracle scoring": ("kvfleet", None),  # kvfleet's weighted scoring over the true state
 }

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from bench.prefix_sim.calibrate import Calibration
 from bench.prefix_sim.engine import EngineShape, Job, SimEngine, new_sequence
 from bench.prefix_sim.gateway import EVENT_POLICIES, ORACLES, Oracle, Replica, prompt_body
+from bench.prefix_sim.peers import SGLANG, SGLangCacheAware
 from bench.prefix_sim.workload import Arrival
 
 SCRAPE_PERIOD_S = 0.075
@@ -56,6 +57,8 @@ def simulate(trace: list[Arrival], policy: str, fleet: FleetShape, calibration: 
     clock = [0.0]
     if policy in ORACLES:
         routers: list = [Oracle(engines, seed, policy)]
+    elif policy == SGLANG:
+        routers = [SGLangCacheAware(engines, seed * 1000 + r, fleet.engine.block_size) for r in range(fleet.replicas)]
     else:
         routers = [Replica(r, policy, engines, lambda: clock[0],
                            [rng.uniform(*fleet.event_delay_s) for _ in engines], seed * 1000 + r)
@@ -92,7 +95,7 @@ def simulate(trace: list[Arrival], policy: str, fleet: FleetShape, calibration: 
         clock[0] = now
         if kind == _ARRIVAL:
             job = jobs[arg]
-            if policy not in ORACLES and routers[0].prefix is not None:
+            if getattr(routers[0], "prefix", None) is not None:
                 job.meta["body"] = prompt_body(job.arrival.token_ids)
             router = routers[arg % len(routers)]
             k = router.route(job, now) if not router.queue else None
