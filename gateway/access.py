@@ -1,15 +1,29 @@
-"""Who may send and how much: the API key a request carries and its rpm/tpm admission, with the reservation that
-settles the key's token count when the answer ends."""
+"""Who may send and how much: the API key a request carries, its tenant, its rpm/tpm admission, and the
+settlement that corrects the key's token count and the tenant's fair-share charge when the answer ends."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
+from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.usage import Settlement, request_cost
+from kvfleet.gateway.queue_order import DEFAULT_TENANT
+from kvfleet.gateway.usage import Cost, Settlement, request_cost
+
+TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Whose share of the fleet queue a request uses: its API key's name and weight, else the tenant header's."""
+
+    name: str
+    weight: float = 1.0
 
 
 def authenticate(keys: Any | None, request_headers: Mapping[str, str]) -> Any | None:
@@ -23,23 +37,73 @@ def authenticate(keys: Any | None, request_headers: Mapping[str, str]) -> Any | 
     return key
 
 
+def request_tenant(key: Any | None, request_headers: Mapping[str, str]) -> Tenant:
+    """The key's name when API keys are on (the header is ignored then: any client could claim any tenant);
+    without keys the `x-kvfleet-tenant` header, unverified, else the default tenant. 400 for a malformed header."""
+    if key is not None:
+        return Tenant(key.name, getattr(key, "weight", 1.0))
+    given = request_headers.get(headers.TENANT)
+    if given is None or given == "":
+        return Tenant(DEFAULT_TENANT)
+    if not TENANT_NAME.fullmatch(given):
+        shown = given if len(given) <= 80 else given[:80] + "..."
+        raise APIError(400, f"{headers.TENANT} must be 1 to 64 letters, digits, '.', '_' or '-' (such as "
+                            f"'team-a'), not {shown!r}", param=headers.TENANT)
+    return Tenant(given)
+
+
+class TenantCharge:
+    """A request's charge to its tenant's fair-share counter: its estimated tokens / weight when it is sent (by the
+    queue's release, or here when it goes without queueing), corrected with the engine's count at its end."""
+
+    def __init__(self, queue: Any, priority: Priority, tenant: Tenant, cost: Cost, run: Callable[[Coroutine], None]):
+        self.queue, self.priority, self.tenant, self.cost, self._run = queue, priority, tenant, cost, run
+        self.charged = False
+
+    @property
+    def amount(self) -> float:
+        return self.cost.tokens / self.tenant.weight
+
+    def sent_directly(self) -> None:
+        self.charged = True
+        self._run(self.queue.charge(self.priority, self.tenant.name, self.amount))
+
+    def released(self) -> None:
+        """Released from the fleet queue, which charged it then."""
+        self.charged = True
+
+    def settle(self, actual_tokens: int) -> None:
+        if self.charged and actual_tokens != self.cost.tokens:
+            correction = (actual_tokens - self.cost.tokens) / self.tenant.weight
+            self._run(self.queue.charge(self.priority, self.tenant.name, correction))
+
+
 async def admit_key(limiter: Any | None, key: Any | None, body: dict | None, metrics: GatewayMetrics,
-                    run: Callable[[Coroutine], None]) -> Settlement | None:
+                    run: Callable[[Coroutine], None], share: TenantCharge | None = None) -> Settlement | None:
     """Admits a request against its key's rpm/tpm, reserving its cost (429 with Retry-After when over); the
-    Settlement settles the reservation at the end, through `run` (the relay's end is sync code)."""
-    if key is None or limiter is None:
+    Settlement settles the reservation and corrects the tenant's charge (`share`) at the end, through `run`
+    (the relay's end is sync code)."""
+    settles: list[Callable[[int], None]] = []
+    cost = share.cost if share is not None else None
+    if key is not None and limiter is not None:
+        limit_cost = request_cost(body) if body is not None and getattr(key, "tpm", None) is not None else None
+        verdict = await limiter.admit(key, limit_cost.tokens if limit_cost else 0)
+        if not verdict.allowed:
+            metrics.shed.labels("any", f"rate_limit_{verdict.reason}").inc()
+            per = "requests" if verdict.reason == "rpm" else "tokens"
+            raise APIError(429, f"API key {key.key_id} is over its {per}-per-minute limit; retry in "
+                                f"{verdict.retry_after_s} s", "rate_limit_exceeded", code=f"{verdict.reason}_limit",
+                           headers={headers.RETRY_AFTER: str(verdict.retry_after_s)})
+        reservation = verdict.reservation
+        if limit_cost is not None and reservation is not None:
+            cost = limit_cost
+            settles.append(lambda actual: run(limiter.settle(reservation, actual)))
+    if share is not None:
+        settles.append(share.settle)
+    if cost is None or not settles:
         return None
-    cost = request_cost(body) if body is not None and getattr(key, "tpm", None) is not None else None
-    verdict = await limiter.admit(key, cost.tokens if cost else 0)
-    if not verdict.allowed:
-        metrics.shed.labels("any", f"rate_limit_{verdict.reason}").inc()
-        per = "requests" if verdict.reason == "rpm" else "tokens"
-        raise APIError(429, f"API key {key.key_id} is over its {per}-per-minute limit; retry in "
-                            f"{verdict.retry_after_s} s", "rate_limit_exceeded", code=f"{verdict.reason}_limit",
-                       headers={headers.RETRY_AFTER: str(verdict.retry_after_s)})
-    reservation = verdict.reservation
-    if cost is None or reservation is None:
-        return None
-    return Settlement(cost, lambda actual: run(limiter.settle(reservation, actual)))
 
-
+    def settle_all(actual: int) -> None:
+        for settle in settles:
+            settle(actual)
+    return Settlement(cost, settle_all)

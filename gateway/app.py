@@ -27,7 +27,7 @@ from kvfleet.fleet.errors import APIError, install_error_handlers
 from kvfleet.fleet.http_limits import BodyDeadline
 from kvfleet.fleet.openai_schema import RequestSchemaError, parse_json, validate_request
 from kvfleet.fleet.priority import DEFAULT_PRIORITY, Priority, forwarded_engine_priority, parse_priority
-from kvfleet.gateway.access import admit_key, authenticate
+from kvfleet.gateway.access import Tenant, TenantCharge, admit_key, authenticate, request_tenant
 from kvfleet.gateway.admission import Action, admit, retry_after_seconds
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.endpoints import EndpointPool
@@ -39,7 +39,7 @@ from kvfleet.gateway.proxy import Forwarder
 from kvfleet.gateway.routing import available, free_slots
 from kvfleet.gateway.scraper import Scraper
 from kvfleet.gateway.strategies import PREFIX_STRATEGIES
-from kvfleet.gateway.usage import Settlement, ask_stream_usage
+from kvfleet.gateway.usage import Settlement, ask_stream_usage, request_cost
 
 log = logging.getLogger("kvfleet.gateway")
 
@@ -90,7 +90,8 @@ class Gateway:
             timeout=httpx.Timeout(None, connect=c.upstream_connect_timeout_s),
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512, keepalive_expiry=30.0))
         self.queue = FleetQueue(c.redis_url, c.fleet, c.gateway_id, c.aging_ms, c.queue_caps,
-                                on_backend_change=lambda up: self.metrics.redis_up.set(1 if up else 0))
+                                on_backend_change=lambda up: self.metrics.redis_up.set(1 if up else 0),
+                                policy=c.queue_policy)
         self.queue.release_window_ms = max(1, round(c.scrape_interval_s * 1000))
         await self.queue.start()
         self.metrics.redis_up.set(1 if self.queue.using_redis else 0)
@@ -201,6 +202,7 @@ class Gateway:
         read a stream's usage chunk (an Envoy without kvfleet's Lua filter), so the engine is not asked for it."""
         max_queue_ms = self._max_queue_ms(request_headers.get(headers.MAX_QUEUE_MS))
         key = authenticate(self.keys, request_headers)
+        tenant = request_tenant(key, request_headers)
         raw = await read_body()
         try:  # the engines' own strict schema: a body they would refuse never waits in the queue or costs a retry
             body = parse_json(raw)
@@ -208,7 +210,9 @@ class Gateway:
         except RequestSchemaError as err:
             raise APIError(400, err.message, param=err.param) from None
         hashes = self.prefix.keys(path, body) if self.config.routing in PREFIX_STRATEGIES else PromptKeys([])
-        settlement = await self._limit(key, body)
+        share = TenantCharge(self.queue, priority, tenant, request_cost(body), self._run_in_background) \
+            if self.config.queue_policy == "fair" else None
+        settlement = await self._limit(key, body, share)
         # the trust rule (kvfleet.fleet.priority): a body's priority reaches the engine only from a trusted key
         engine_priority = forwarded_engine_priority(priority, body.get("priority"),
                                                     getattr(key, "allow_priority", False), self.config.forward_priority)
@@ -231,7 +235,9 @@ class Gateway:
             if verdict.action is Action.QUEUE:
                 if on_queue is not None:
                     await on_queue(max_queue_ms)
-                await self._wait_in_queue(is_disconnected, priority, max_queue_ms, has_capacity)
+                await self._wait_in_queue(is_disconnected, priority, max_queue_ms, has_capacity, tenant, share)
+            elif share is not None:
+                share.sent_directly()
         except BaseException:
             if settlement is not None:
                 settlement.refund()  # refused, shed or timed out in the queue: nothing was generated
@@ -239,8 +245,9 @@ class Gateway:
         return Admitted(raw, changed, hashes, settlement)
 
     async def _wait_in_queue(self, is_disconnected: Callable[[], Awaitable[bool]], priority: Priority,
-                             max_queue_ms: float, has_capacity: bool) -> None:
-        entry = await self.queue.enqueue(priority, max_queue_ms)
+                             max_queue_ms: float, has_capacity: bool, tenant: Tenant,
+                             share: TenantCharge | None) -> None:
+        entry = await self.queue.enqueue(priority, max_queue_ms, tenant.name, share.amount if share else 0.0)
         if entry is None:
             raise self._shed(priority, "queue_full", f"the fleet queue for {priority.value} requests is full "
                                                      f"({self.config.queue_caps[priority]} waiting); retry later")
@@ -261,6 +268,8 @@ class Gateway:
         if outcome is Outcome.DISCONNECTED:
             self.metrics.shed.labels(priority.value, "disconnected").inc()
             raise APIError(499, "the client closed the connection while queued", code="client_closed")
+        if share is not None:
+            share.released()
 
     def _shed(self, priority: Priority, reason: str, message: str) -> APIError:
         self.metrics.shed.labels(priority.value, reason).inc()
@@ -283,8 +292,9 @@ class Gateway:
                                 f"not {header!r}", param=headers.MAX_QUEUE_MS)
         return value
 
-    async def _limit(self, key: object | None, body: dict | None) -> Settlement | None:
-        return await admit_key(self.limiter, key, body, self.metrics, self._run_in_background)
+    async def _limit(self, key: object | None, body: dict | None,
+                     share: TenantCharge | None = None) -> Settlement | None:
+        return await admit_key(self.limiter, key, body, self.metrics, self._run_in_background, share)
 
     def _run_in_background(self, work: Coroutine) -> None:
         """A Redis write started from sync code (the relay's end), awaited at stop."""

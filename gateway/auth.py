@@ -1,8 +1,10 @@
 """Optional API keys for the gateway, held only as sha256 hashes.
 
 Key lines (a file, or each value of a Kubernetes Secret) read
-`<key or sha256:<64 hex>> [name=N] [rpm=N] [tpm=N] [allow_priority=true|false]`; `#` at a line's start or after
-a space starts a comment (a key cannot start with `#` or hold spaces).
+`<key or sha256:<64 hex>> [name=N] [rpm=N] [tpm=N] [weight=W] [allow_priority=true|false]`; `#` at a line's
+start or after a space starts a comment (a key cannot start with `#` or hold spaces).
+A key's name is its tenant in the fleet queue's fair share, `weight` its share (default 1); keys with the same name
+are one tenant, so they must give the same weight.
 Hash a key for the file with `printf %s "$KEY" | sha256sum`.
 """
 
@@ -24,6 +26,7 @@ from kvfleet.fleet.headers import API_KEY, AUTHORIZATION
 HASH_PREFIX = "sha256:"
 LIMIT_OPTIONS = ("rpm", "tpm")
 BOOLEAN_OPTIONS = ("allow_priority",)
+WEIGHT_RANGE = (0.01, 1000.0)
 COMMENT = re.compile(r"(^|\s)#.*")
 
 
@@ -36,6 +39,7 @@ class KeyInfo:
     rpm: int | None = None
     tpm: int | None = None
     allow_priority: bool = False  # may set the engine's `priority` in the body; else the gateway drops it
+    weight: float = 1.0  # its tenant's (its name's) share of the fleet queue, relative to other tenants
 
 
 def hash_key(key: str) -> str:
@@ -64,15 +68,16 @@ def parse_key_lines(
 
 def _parse_line(line: str, default_rpm: int | None, default_tpm: int | None) -> tuple[str, KeyInfo]:
     first, *options = line.split()
-    if "=" in first and first.split("=", 1)[0] in ("name", *LIMIT_OPTIONS, *BOOLEAN_OPTIONS):
+    if "=" in first and first.split("=", 1)[0] in ("name", "weight", *LIMIT_OPTIONS, *BOOLEAN_OPTIONS):
         raise ValueError(f"the key must come first, before {first.split('=', 1)[0]}=")
     digest = _digest_of(first)
-    settings: dict[str, Any] = {"name": digest[:12], "rpm": default_rpm, "tpm": default_tpm, "allow_priority": False}
+    settings: dict[str, Any] = {"name": digest[:12], "rpm": default_rpm, "tpm": default_tpm, "allow_priority": False,
+                                "weight": 1.0}
     seen: set[str] = set()
     for option in options:
         field, sep, value = option.partition("=")
         if not sep or field not in settings:
-            raise ValueError(f"unknown option {option!r}; expected name=, rpm=, tpm= or allow_priority=")
+            raise ValueError(f"unknown option {option!r}; expected name=, rpm=, tpm=, weight= or allow_priority=")
         if field in seen:
             raise ValueError(f"{field}= is given twice")
         if not value:
@@ -80,6 +85,8 @@ def _parse_line(line: str, default_rpm: int | None, default_tpm: int | None) -> 
         seen.add(field)
         if field == "name":
             settings[field] = value
+        elif field == "weight":
+            settings[field] = _parse_weight(value)
         elif field in BOOLEAN_OPTIONS:
             settings[field] = _parse_boolean(field, value)
         else:
@@ -102,6 +109,17 @@ def _parse_boolean(field: str, value: str) -> bool:
     return value.lower() == "true"
 
 
+def _parse_weight(value: str) -> float:
+    low, high = WEIGHT_RANGE
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = float("nan")
+    if not low <= weight <= high:  # also refuses nan and inf
+        raise ValueError(f"weight={value} must be a number from {low:g} to {high:g} (a tenant's share; default 1)")
+    return weight
+
+
 def _parse_limit(field: str, value: str) -> int:
     if not (value.isascii() and value.isdigit()):
         raise ValueError(f"{field}={value} must be a non-negative integer")
@@ -112,6 +130,11 @@ class ApiKeyStore:
     """Checks presented keys against stored sha256 hashes; no plaintext key is kept."""
 
     def __init__(self, keys: Mapping[str, KeyInfo]):
+        weights: dict[str, float] = {}
+        for info in keys.values():
+            if weights.setdefault(info.name, info.weight) != info.weight:
+                raise ValueError(f"keys named {info.name!r} give different weights ({weights[info.name]:g} and "
+                                 f"{info.weight:g}); keys with one name are one tenant: give them the same weight=")
         self._entries: list[tuple[bytes, KeyInfo]] = [(bytes.fromhex(h), info) for h, info in keys.items()]
 
     def __len__(self) -> int:
@@ -122,7 +145,11 @@ class ApiKeyStore:
         cls, text: str, source: str = "<keys>", default_rpm: int | None = None, default_tpm: int | None = None
     ) -> ApiKeyStore:
         """Keys from text in the key-line format; `source` names it in error messages."""
-        return cls(parse_key_lines(text, source, default_rpm, default_tpm))
+        keys = parse_key_lines(text, source, default_rpm, default_tpm)
+        try:
+            return cls(keys)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
 
     @classmethod
     def from_file(

@@ -12,6 +12,7 @@ from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import Priority, engine_priority
 from kvfleet.fleet.redis_keys import key_prefix
 from kvfleet.gateway.config import DATA_PLANES, ROUTING_STRATEGIES, GatewayConfig, parse_queue_caps
+from kvfleet.gateway.fair_order import QUEUE_POLICIES
 from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
 
 
@@ -49,6 +50,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         f"{MAX_QUEUE_MS}, up to {d0.max_queue_ms_limit:.0f})")
     q.add_argument("--aging-ms", type=float, default=d0.aging_ms,
                    help="a request that has waited this long goes ahead of new arrivals one class above it")
+    q.add_argument("--queue-policy", choices=QUEUE_POLICIES, default=d0.queue_policy,
+                   help="inside a class, fair: tenants (API key names, or x-kvfleet-tenant without keys) share by "
+                        "least service received in tokens, weighted by the keys' weight=; fcfs: first come, first "
+                        "served")
     q.add_argument("--queue-caps", default="", help="per-class queue caps, e.g. critical=1000,standard=1000,"
                                                      "sheddable=100 (over the cap: 429)")
     r = p.add_argument_group("routing")
@@ -76,7 +81,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("access control")
     a.add_argument("--api-keys-file", default=None,
                    help="one key per line: <key or sha256:<hex>> [name=N] [rpm=N] [tpm=N] "
-                        "[allow_priority=true]")
+                        "[weight=W] [allow_priority=true]")
     a.add_argument("--api-keys-secret", default=None, metavar="NAMESPACE/NAME",
                    help="read the keys from a Kubernetes Secret (same line format in each value)")
     a.add_argument("--rpm-per-key", type=int, default=None, help="default requests per minute per key")
@@ -117,7 +122,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         weights=ScoreWeights(args.weight_queue, args.weight_kv, args.weight_prefix),
         saturation=SaturationPolicy(args.saturation_queue, args.saturation_kv, args.max_metrics_age_ms / 1000.0),
         scrape_interval_s=args.scrape_interval_ms / 1000.0, default_max_queue_ms=args.max_queue_ms,
-        aging_ms=args.aging_ms, queue_caps=parse_queue_caps(args.queue_caps),
+        aging_ms=args.aging_ms, queue_policy=args.queue_policy, queue_caps=parse_queue_caps(args.queue_caps),
         eject_after_failures=args.eject_after_failures, eject_seconds=args.eject_seconds,
         max_body_bytes=args.max_body_bytes, forward_priority=args.forward_priority,
         api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,

@@ -10,6 +10,7 @@ from kvfleet.fleet.engine_settings import ENGINE_API_KEY_ENV
 from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import Priority
+from kvfleet.gateway.fair_order import QUEUE_POLICIES
 from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
 from kvfleet.gateway.strategies import STRATEGIES
 
@@ -38,6 +39,7 @@ class GatewayConfig:
     default_max_queue_ms: float = 30_000.0
     max_queue_ms_limit: float = 600_000.0
     aging_ms: float = 10_000.0
+    queue_policy: str = "fair"  # one of QUEUE_POLICIES: fair share among tenants inside a class, or fcfs
     queue_caps: dict[Priority, int] = field(default_factory=lambda: dict(DEFAULT_CAPS))
     eject_after_failures: int = 3
     eject_seconds: float = 10.0
@@ -81,6 +83,8 @@ class GatewayConfig:
             raise ValueError(f"--max-queue-ms must be between 0 and {self.max_queue_ms_limit:.0f}")
         if self.aging_ms <= 0:
             raise ValueError("--aging-ms must be positive")
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"--queue-policy must be one of {', '.join(QUEUE_POLICIES)}, not {self.queue_policy!r}")
         for p, cap in self.queue_caps.items():
             if cap < 0:
                 raise ValueError(f"the {p.value} queue cap must be >= 0, not {cap}")

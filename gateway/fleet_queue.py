@@ -1,9 +1,9 @@
 """Where saturated requests wait: the fleet-wide Redis queue, or an in-process one while Redis is unreachable.
 
-Each replica keeps a future per request it holds. Any replica that sees free capacity releases the queue's head;
-a released entry of another replica reaches it on its grants channel. A replica's heartbeat keeps its entries
-alive, so the entries of one that died are dropped, and a periodic reconcile puts back entries Redis lost (a
-restart) and removes this replica's orphans.
+Each replica keeps a future per request it holds. Any replica that sees free capacity releases the next entries
+by the queue policy (fair_order.py); a released entry of another replica reaches it on its grants channel. A
+replica's heartbeat keeps its entries alive, so the entries of one that died are dropped, and a periodic reconcile
+puts back entries Redis lost (a restart) and removes this replica's orphans.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.local_queue import LocalQueue
-from kvfleet.gateway.queue_order import QueueEntry, queue_score
+from kvfleet.gateway.queue_order import DEFAULT_TENANT, QueueEntry, queue_score
 from kvfleet.gateway.redis_queue import RedisQueue
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,9 @@ def now_ms() -> float:
 class FleetQueue:
     def __init__(self, redis_url: str | None, fleet: str, gateway_id: str, aging_ms: float,
                  caps: dict[Priority, int], heartbeat_ms: int = 3000,
-                 on_backend_change: Callable[[bool], None] = lambda using_redis: None):
+                 on_backend_change: Callable[[bool], None] = lambda using_redis: None, policy: str = "fair"):
         self.fleet, self.gateway_id, self.aging_ms, self.caps = fleet, gateway_id, aging_ms, caps
+        self.policy = policy
         self.heartbeat_ms = heartbeat_ms
         self.release_window_ms = 100  # about one scrape interval; the gateway sets it from its config
         self.on_backend_change = on_backend_change
@@ -52,10 +53,10 @@ class FleetQueue:
         # from before a Redis restart are found dead before a real command meets them
         self.client = Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0,
                                      health_check_interval=1) if redis_url else None
-        self.redis = RedisQueue(self.client, fleet, gateway_id) if self.client else None
+        self.redis = RedisQueue(self.client, fleet, gateway_id, policy=policy) if self.client else None
         self.using_redis = False
         self.redis_error: str | None = None if redis_url else "no Redis configured"
-        self.local = LocalQueue()
+        self.local = LocalQueue(policy)
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self._entries: dict[str, QueueEntry] = {}
         self._counts = {p: 0 for p in Priority}
@@ -109,13 +110,15 @@ class FleetQueue:
         cutoff = time.monotonic() - window_s
         return sum(1 for t in self._released_at if t >= cutoff) / window_s
 
-    async def enqueue(self, priority: Priority, max_wait_ms: float) -> QueueEntry | None:
-        """Queues a request; None when its class is at its cap."""
+    async def enqueue(self, priority: Priority, max_wait_ms: float, tenant: str = DEFAULT_TENANT,
+                      charge: float = 0.0) -> QueueEntry | None:
+        """Queues a tenant's request, to be charged `charge` (tokens / weight) on release; None when its class is at
+        its cap."""
         self._seq += 1
         arrival = now_ms()
         entry = QueueEntry(id=f"{self.gateway_id}-{self._seq}", priority=priority,
                            score=queue_score(arrival, priority, self.aging_ms),
-                           deadline_ms=arrival + max_wait_ms, owner=self.gateway_id)
+                           deadline_ms=arrival + max_wait_ms, owner=self.gateway_id, tenant=tenant, charge=charge)
         # registered first, so a reconcile running meanwhile does not take it for an orphan
         self._entries[entry.id] = entry
         self._waiters[entry.id] = asyncio.get_running_loop().create_future()
@@ -135,6 +138,22 @@ class FleetQueue:
             except REDIS_DOWN as err:
                 await self._degrade(err)
         return self.local.enqueue(entry, cap)
+
+    async def charge(self, priority: Priority, tenant: str, amount: float) -> None:
+        """Adds service to a tenant's counter (a request sent without queueing, or a correction at its end); a no-op
+        under the fcfs policy. Never raises: a lost charge only blurs the shares."""
+        if self.policy != "fair" or not amount:
+            return
+        if self.using_redis:
+            try:
+                await self.redis.charge(priority, tenant, amount)
+                return
+            except REDIS_DOWN as err:
+                await self._degrade(err)
+            except Exception as err:
+                log.warning("charging tenant %s failed: %s: %s", tenant, type(err).__name__, err)
+                return
+        self.local.charge(priority, tenant, amount)
 
     async def wait(self, entry: QueueEntry, is_disconnected: Callable[[], Awaitable[bool]]) -> Outcome:
         """Until the entry is released, its deadline passes, or its client goes away; it leaves the queue then."""

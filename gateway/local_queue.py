@@ -2,52 +2,52 @@
 
 from __future__ import annotations
 
-import heapq
-
 from kvfleet.fleet.priority import Priority
+from kvfleet.gateway.fair_order import FairOrder
 from kvfleet.gateway.queue_order import QueueEntry
 
 
 class LocalQueue:
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, str]] = []
-        self._entries: dict[str, QueueEntry] = {}
-        self._seq = 0
+    def __init__(self, policy: str = "fair") -> None:
+        self.order = FairOrder(policy)
         self._counts = {p: 0 for p in Priority}
 
     def enqueue(self, entry: QueueEntry, cap: int | None) -> bool:
+        if entry.id in self.order.entries:
+            return True
         if cap is not None and self._counts[entry.priority] >= cap:
             return False
-        if entry.id not in self._entries:
-            self._counts[entry.priority] += 1
-        self._entries[entry.id] = entry
-        self._seq += 1
-        heapq.heappush(self._heap, (entry.score, self._seq, entry.id))
+        self.order.add(entry)
+        self._counts[entry.priority] += 1
         return True
 
     def remove(self, entry_id: str) -> bool:
-        entry = self._entries.pop(entry_id, None)  # its heap slot is skipped when it surfaces
+        entry = self.order.remove(entry_id)
         if entry is None:
             return False
         self._counts[entry.priority] -= 1
         return True
 
-    def release(self, n: int) -> list[QueueEntry]:
+    def release(self, n: int, charge: bool = True) -> list[QueueEntry]:
+        """Up to n entries in the policy's order; each one's tenant is charged its cost (fair policy)."""
         out = []
-        while self._heap and len(out) < n:
-            _, _, entry_id = heapq.heappop(self._heap)
-            entry = self._entries.pop(entry_id, None)
-            if entry is not None:
-                self._counts[entry.priority] -= 1
-                out.append(entry)
+        while len(out) < n:
+            entry = self.order.pop(charge)
+            if entry is None:
+                break
+            self._counts[entry.priority] -= 1
+            out.append(entry)
         return out
 
+    def charge(self, priority: Priority, tenant: str, amount: float) -> None:
+        self.order.charge(priority, tenant, amount)
+
     def drain(self) -> list[QueueEntry]:
-        """Everything, in order (used when handing the entries back to Redis)."""
-        return self.release(len(self._entries))
+        """Everything, in order, uncharged (used when handing the entries back to Redis)."""
+        return self.release(len(self.order), charge=False)
 
     def counts(self) -> dict[Priority, int]:
         return dict(self._counts)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.order)

@@ -1,8 +1,8 @@
-"""The fleet queue's order: strict priority across classes, FCFS within one, with aging.
+"""The fleet queue's order across classes: strict priority with aging (inside a class, fair_order.py decides).
 
 An entry's position is fixed when it is queued: score = arrival_ms + rank × aging_ms. Within `aging_ms` a higher
 class always goes first; a request that has waited longer than that overtakes fresh arrivals of the class above
-it, so nothing starves. One number per entry is what lets one Redis sorted set serve every gateway replica.
+it, so nothing starves. Inside a class the score also orders each tenant's own entries (first come, first served).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfleet.fleet.priority import Priority
+
+DEFAULT_TENANT = "default"  # the tenant of a request without an API key or an x-kvfleet-tenant header
 
 
 def queue_score(arrival_ms: float, priority: Priority, aging_ms: float) -> float:
@@ -26,3 +28,5 @@ class QueueEntry:
     score: float
     deadline_ms: float  # wall-clock epoch ms after which the owner answers 503
     owner: str  # the gateway replica holding the client's connection
+    tenant: str = DEFAULT_TENANT
+    charge: float = 0.0  # its estimated tokens / its tenant's weight, added to the tenant's counter on release

@@ -1,6 +1,9 @@
-"""The fleet-wide priority queue in Redis, shared by every gateway replica; each change is one atomic Lua script.
+"""The fleet-wide queue in Redis, shared by every gateway replica; each change is one atomic Lua script, so every
+replica releases in one global order: fair_order.py's policy (fair share among tenants inside a band, priority
+with aging across bands), which the scripts mirror step for step.
 
-Its keys (the queue, its entries and classes, heartbeats, grants channels) are built in kvfleet.fleet.redis_keys.
+Its keys (the queue, its entries and classes, the bands' tenants, heartbeats, grants channels) are built in
+kvfleet.fleet.redis_keys.
 """
 
 from __future__ import annotations
@@ -9,70 +12,176 @@ from redis.asyncio import Redis
 
 from kvfleet.fleet import redis_keys
 from kvfleet.fleet.priority import Priority
+from kvfleet.gateway.fair_order import MAX_IDLE_TENANTS
 from kvfleet.gateway.queue_order import QueueEntry
 
-_ENQUEUE = """
-local in_class = tonumber(redis.call('HGET', KEYS[3], ARGV[4]) or '0')
-if in_class >= tonumber(ARGV[5]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
-redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
-return 1
-"""
+IDLE_COUNTERS_TTL_MS = 3_600_000  # a band's idle counters go after an hour without any charge or departure
 
-_REMOVE = """
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
-local meta = redis.call('HGET', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-if meta then redis.call('HINCRBY', KEYS[3], string.match(meta, '^[^|]*|([^|]*)|'), -1) end
-return 1
-"""
+# Every script starts with this prelude: the band keys (KEYS[5..4+2n]: each band's active and idle tenants), the
+# band names and tenant-key prefixes (ARGV[2..1+2n]), and helpers that keep the tenants' structures with the queue.
+# Counters travel as the strings Redis gives (never Lua numbers, which print with 14 digits), so the Redis queue
+# adds and compares exactly the doubles that fair_order.py does.
+_PRELUDE = """
+local nb = tonumber(ARGV[1])
+local band, ORDER = {}, {}
+for i = 1, nb do
+  local b = {name = ARGV[1 + i], active = KEYS[3 + 2 * i], idle = KEYS[4 + 2 * i], prefix = ARGV[1 + nb + i]}
+  band[b.name] = b
+  ORDER[i] = b
+end
+local MAX_IDLE, IDLE_TTL = tonumber(ARGV[2 + 2 * nb]), ARGV[3 + 2 * nb]
+local A, K = 3 + 2 * nb, 4 + 2 * nb
 
-# Pops up to ARGV[1] heads, less what any replica released within the last ARGV[6] ms (replicas that saw the same
-# free room between two scrapes must not each fill it); an entry whose owner has no heartbeat, or whose deadline
-# is long past, is dropped and the next one taken. Entries of other live replicas are handed to them on their
-# grants channel. ARGV[2] and ARGV[7] are the heartbeat and grants prefixes (redis_keys), to which an owner's id
-# is appended.
-_RELEASE = """
-local released, count = {}, 0
-local want = tonumber(ARGV[1]) - tonumber(redis.call('GET', KEYS[4]) or '0')
-local now, grace = tonumber(ARGV[3]), tonumber(ARGV[4])
-while count < want do
-  local head = redis.call('ZPOPMIN', KEYS[1], 1)
-  if #head == 0 then break end
-  local id = head[1]
+local function trim_idle(b)
+  local n = redis.call('ZCARD', b.idle)
+  if n > MAX_IDLE then redis.call('ZREMRANGEBYRANK', b.idle, 0, n - MAX_IDLE - 1) end
+  if n > 0 then redis.call('PEXPIRE', b.idle, IDLE_TTL) end
+end
+
+local function activate(b, tenant)
+  if redis.call('ZSCORE', b.active, tenant) then return end
+  local own = redis.call('ZSCORE', b.idle, tenant)
+  if own then redis.call('ZREM', b.idle, tenant) else own = '0' end
+  local low = redis.call('ZRANGE', b.active, 0, 0, 'WITHSCORES')
+  local lift = low[2] or redis.call('HGET', KEYS[4], b.name) or '0'
+  if tonumber(lift) > tonumber(own) then own = lift end
+  redis.call('ZADD', b.active, own, tenant)
+end
+
+local function charge(b, tenant, amount)
+  if redis.call('ZSCORE', b.active, tenant) then
+    redis.call('ZINCRBY', b.active, amount, tenant)
+  else
+    redis.call('ZINCRBY', b.idle, amount, tenant)
+    trim_idle(b)
+  end
+end
+
+local function parse(meta)
+  local owner, prio, deadline, amount, tenant = string.match(meta, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
+  if owner == nil then  -- queued by a gateway from before tenants
+    owner, prio, deadline = string.match(meta, '^([^|]*)|([^|]*)|(.*)$')
+    amount, tenant = '0', ''
+  end
+  return owner, prio, deadline, amount, tenant
+end
+
+local function unlink(id)
+  redis.call('ZREM', KEYS[1], id)
   local meta = redis.call('HGET', KEYS[2], id)
+  if not meta then return false end
   redis.call('HDEL', KEYS[2], id)
+  local owner, prio, deadline, amount, tenant = parse(meta)
+  redis.call('HINCRBY', KEYS[3], prio, -1)
+  local b = band[prio]
+  if b then
+    local key = b.prefix .. tenant
+    redis.call('ZREM', key, id)
+    local counter = redis.call('ZSCORE', b.active, tenant)
+    if counter and redis.call('EXISTS', key) == 0 then
+      redis.call('ZREM', b.active, tenant)
+      redis.call('ZADD', b.idle, counter, tenant)
+      redis.call('HSET', KEYS[4], b.name, counter)
+      trim_idle(b)
+    end
+  end
+  return true
+end
+"""
+
+_ENQUEUE = _PRELUDE + """
+local id, score, meta, prio, cap, tenant = ARGV[A + 1], ARGV[A + 2], ARGV[A + 3], ARGV[A + 4], ARGV[A + 5], ARGV[A + 6]
+if redis.call('HEXISTS', KEYS[2], id) == 1 then return 1 end
+local in_class = tonumber(redis.call('HGET', KEYS[3], prio) or '0')
+if in_class >= tonumber(cap) then return 0 end
+redis.call('ZADD', KEYS[1], score, id)
+redis.call('HSET', KEYS[2], id, meta)
+redis.call('HINCRBY', KEYS[3], prio, 1)
+local b = band[prio]
+if b then
+  activate(b, tenant)
+  redis.call('ZADD', b.prefix .. tenant, score, id)
+end
+return 1
+"""
+
+_REMOVE = _PRELUDE + """
+if unlink(ARGV[A + 1]) then return 1 end
+return 0
+"""
+
+_CHARGE = _PRELUDE + """
+local b = band[ARGV[A + 1]]
+if b then charge(b, ARGV[A + 2], ARGV[A + 3]) end
+return 1
+"""
+
+# Pops up to ARGV[A+1] entries by the policy (fair_order.py), less what any replica released within the last
+# window (replicas that saw the same free room between two scrapes must not each fill it); an entry whose owner has
+# no heartbeat, or whose deadline is long past, is dropped and the next one taken. Entries of other live replicas
+# are handed to them on their grants channel. Heartbeat keys and grants channels are a prefix and an owner's id.
+_RELEASE = _PRELUDE + """
+local want = tonumber(ARGV[A + 1]) - tonumber(redis.call('GET', KEYS[K + 1]) or '0')
+local heartbeat, now, grace, me = ARGV[A + 2], tonumber(ARGV[A + 3]), tonumber(ARGV[A + 4]), ARGV[A + 5]
+local window, grants, policy = ARGV[A + 6], ARGV[A + 7], ARGV[A + 8]
+
+local function next_head()
+  if policy == 'fair' then
+    local best, best_score, best_key
+    for _, b in ipairs(ORDER) do
+      local low = redis.call('ZRANGE', b.active, 0, 0)
+      while #low > 0 do
+        local key = b.prefix .. low[1]
+        local head = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+        if #head > 0 then
+          local score = tonumber(head[2])
+          if best == nil or score < best_score then best, best_score, best_key = head[1], score, key end
+          break
+        end
+        redis.call('ZREM', b.active, low[1])  -- a tenant without entries (Redis lost them) is not active
+        low = redis.call('ZRANGE', b.active, 0, 0)
+      end
+    end
+    if best then return best, best_key end
+  end
+  return redis.call('ZRANGE', KEYS[1], 0, 0)[1], nil
+end
+
+local released, count = {}, 0
+while count < want do
+  local id, key = next_head()
+  if not id then break end
+  local meta = redis.call('HGET', KEYS[2], id)
   if meta then
-    local owner, prio, deadline = string.match(meta, '^([^|]*)|([^|]*)|(.*)$')
-    redis.call('HINCRBY', KEYS[3], prio, -1)
-    if redis.call('EXISTS', ARGV[2] .. owner) == 1 and tonumber(deadline) + grace > now then
-      if owner ~= ARGV[5] then redis.call('PUBLISH', ARGV[7] .. owner, id) end
+    local owner, prio, deadline, amount, tenant = parse(meta)
+    if redis.call('EXISTS', heartbeat .. owner) == 1 and tonumber(deadline) + grace > now then
+      if policy == 'fair' and band[prio] then charge(band[prio], tenant, amount) end
+      if owner ~= me then redis.call('PUBLISH', grants .. owner, id) end
       table.insert(released, id)
       table.insert(released, owner)
       count = count + 1
     end
   end
+  unlink(id)
+  if key then redis.call('ZREM', key, id) end
 end
 if count > 0 then
-  redis.call('INCRBY', KEYS[4], count)
-  redis.call('PEXPIRE', KEYS[4], ARGV[6])
+  redis.call('INCRBY', KEYS[K + 1], count)
+  redis.call('PEXPIRE', KEYS[K + 1], window)
 end
 return released
 """
 
-_SWEEP = """
+_SWEEP = _PRELUDE + """
+local heartbeat, now, grace, own = ARGV[A + 1], tonumber(ARGV[A + 2]), tonumber(ARGV[A + 3]), ARGV[A + 4]
 local removed = 0
 local all = redis.call('HGETALL', KEYS[2])
-local now, grace = tonumber(ARGV[2]), tonumber(ARGV[3])
 for i = 1, #all, 2 do
-  local id, meta = all[i], all[i + 1]
-  local owner, prio, deadline = string.match(meta, '^([^|]*)|([^|]*)|(.*)$')
-  local orphan = ARGV[4] ~= '' and owner == ARGV[4] and redis.call('SISMEMBER', KEYS[4], id) == 0
-  if orphan or redis.call('EXISTS', ARGV[1] .. owner) == 0 or tonumber(deadline) + grace < now then
-    redis.call('ZREM', KEYS[1], id)
-    redis.call('HDEL', KEYS[2], id)
-    redis.call('HINCRBY', KEYS[3], prio, -1)
+  local id = all[i]
+  local owner, prio, deadline = parse(all[i + 1])
+  local orphan = own ~= '' and owner == own and redis.call('SISMEMBER', KEYS[K + 1], id) == 0
+  if orphan or redis.call('EXISTS', heartbeat .. owner) == 0 or tonumber(deadline) + grace < now then
+    unlink(id)
     removed = removed + 1
   end
 end
@@ -83,15 +192,25 @@ return removed
 class RedisQueue:
     """Queue operations on one fleet's keys; raises redis' ConnectionError/TimeoutError when Redis is away."""
 
-    def __init__(self, client: Redis, fleet: str, gateway_id: str, grace_ms: float = 5000.0):
+    def __init__(self, client: Redis, fleet: str, gateway_id: str, grace_ms: float = 5000.0, policy: str = "fair",
+                 max_idle: int = MAX_IDLE_TENANTS):
         self.client, self.fleet, self.gateway_id, self.grace_ms = client, fleet, gateway_id, grace_ms
+        self.policy = policy
+        bands = sorted(Priority, key=lambda p: p.rank)
         self.keys = [redis_keys.queue_key(fleet), redis_keys.queue_entries_key(fleet),
-                     redis_keys.queue_classes_key(fleet)]
+                     redis_keys.queue_classes_key(fleet), redis_keys.queue_floors_key(fleet)]
+        for p in bands:
+            self.keys += [redis_keys.queue_band_tenants_key(fleet, p), redis_keys.queue_band_idle_key(fleet, p)]
+        self._band_args = [len(bands), *(p.value for p in bands),
+                           *(redis_keys.queue_band_tenant_prefix(fleet, p) for p in bands),
+                           max_idle, IDLE_COUNTERS_TTL_MS]
         self.heartbeat_key = redis_keys.heartbeat_key(fleet, gateway_id)
-        self._enqueue = client.register_script(_ENQUEUE)
-        self._remove = client.register_script(_REMOVE)
-        self._release = client.register_script(_RELEASE)
-        self._sweep = client.register_script(_SWEEP)
+        self._scripts = {name: client.register_script(lua) for name, lua in
+                         (("enqueue", _ENQUEUE), ("remove", _REMOVE), ("charge", _CHARGE), ("release", _RELEASE),
+                          ("sweep", _SWEEP))}
+
+    async def _run(self, script: str, args: list, keys: tuple[str, ...] = ()):
+        return await self._scripts[script](keys=[*self.keys, *keys], args=[*self._band_args, *args])
 
     @property
     def grants_channel(self) -> str:
@@ -101,19 +220,23 @@ class RedisQueue:
         await self.client.set(self.heartbeat_key, "1", px=ttl_ms)
 
     async def enqueue(self, entry: QueueEntry, cap: int) -> bool:
-        meta = f"{entry.owner}|{entry.priority.value}|{int(entry.deadline_ms)}"
-        return bool(await self._enqueue(keys=self.keys,
-                                        args=[entry.id, entry.score, meta, entry.priority.value, cap]))
+        meta = f"{entry.owner}|{entry.priority.value}|{int(entry.deadline_ms)}|{float(entry.charge)!r}|{entry.tenant}"
+        return bool(await self._run("enqueue", [entry.id, entry.score, meta, entry.priority.value, cap,
+                                                entry.tenant]))
 
     async def remove(self, entry_id: str) -> bool:
-        return bool(await self._remove(keys=self.keys, args=[entry_id]))
+        return bool(await self._run("remove", [entry_id]))
+
+    async def charge(self, priority: Priority, tenant: str, amount: float) -> None:
+        """Adds service (tokens / weight; negative to correct an estimate) to a tenant's counter in a band."""
+        await self._run("charge", [priority.value, tenant, repr(float(amount))])
 
     async def release(self, n: int, now_ms: float, window_ms: int = 100) -> list[tuple[str, str]]:
         """Pops up to n entries in order, less those any replica released in the last window_ms (n is the room
         this replica sees, which the others see too); returns (id, owner) pairs, others' entries already granted."""
-        flat = await self._release(keys=[*self.keys, redis_keys.queue_released_key(self.fleet)],
-                                   args=[n, redis_keys.heartbeat_prefix(self.fleet), now_ms, self.grace_ms,
-                                         self.gateway_id, window_ms, redis_keys.grants_prefix(self.fleet)])
+        flat = await self._run("release", [n, redis_keys.heartbeat_prefix(self.fleet), now_ms, self.grace_ms,
+                                           self.gateway_id, window_ms, redis_keys.grants_prefix(self.fleet),
+                                           self.policy], keys=(redis_keys.queue_released_key(self.fleet),))
         flat = [x.decode() if isinstance(x, bytes) else x for x in flat]
         return list(zip(flat[0::2], flat[1::2], strict=True))
 
@@ -129,8 +252,8 @@ class RedisQueue:
                     pipe.sadd(live_key, *own_live_ids)
                     pipe.pexpire(live_key, 10_000)
                 await pipe.execute()
-        args = [redis_keys.heartbeat_prefix(self.fleet), now_ms, self.grace_ms, own]
-        removed = await self._sweep(keys=[*self.keys, live_key], args=args)
+        removed = await self._run("sweep", [redis_keys.heartbeat_prefix(self.fleet), now_ms, self.grace_ms, own],
+                                  keys=(live_key,))
         if own_live_ids is not None:
             await self.client.delete(live_key)
         return int(removed)

@@ -9,7 +9,7 @@ from __future__ import annotations
 REQUEST_ID = "x-request-id"  # kept when the client sends one, made otherwise; echoed on the answer
 PRIORITY = "x-kvfleet-priority"  # critical | standard | sheddable (kvfleet.fleet.priority)
 MAX_QUEUE_MS = "x-kvfleet-max-queue-ms"  # the longest wait in the gateway's queue
-TENANT = "x-kvfleet-tenant"  # reserved by the contract; no component reads it yet
+TENANT = "x-kvfleet-tenant"  # the fair-share tenant where no API keys are configured (unverified; ignored with keys)
 AUTHORIZATION = "authorization"  # `Bearer <key>`: the client's API key, or the gateway's engine key
 API_KEY = "x-api-key"  # the raw key, for clients that cannot send a bearer token
 

@@ -17,13 +17,34 @@ def queue_key(fleet: str) -> str:
 
 
 def queue_entries_key(fleet: str) -> str:
-    """Hash: entry id -> "owner|priority|deadline_ms"."""
+    """Hash: entry id -> "owner|priority|deadline_ms|charge|tenant" (charge: its tokens / its tenant's weight)."""
     return key_prefix(fleet) + "queue:entries"
 
 
 def queue_classes_key(fleet: str) -> str:
     """Hash: priority -> entries queued in that class."""
     return key_prefix(fleet) + "queue:classes"
+
+
+def queue_band_tenants_key(fleet: str, priority: str) -> str:
+    """Sorted set: tenant -> counter of service (tokens / weight), for the tenants with entries queued in a band."""
+    return key_prefix(fleet) + f"queue:band:{priority}:active"
+
+
+def queue_band_idle_key(fleet: str, priority: str) -> str:
+    """Sorted set: tenant -> counter, for tenants with nothing queued in a band (bounded, lowest trimmed; expires)."""
+    return key_prefix(fleet) + f"queue:band:{priority}:idle"
+
+
+def queue_band_tenant_prefix(fleet: str, priority: str) -> str:
+    """What the sorted set of a tenant's queued entries in a band (entry id -> score) starts with; the queue's Lua
+    scripts append the tenant's name."""
+    return key_prefix(fleet) + f"queue:band:{priority}:tenant:"
+
+
+def queue_floors_key(fleet: str) -> str:
+    """Hash: priority -> the counter of the last tenant whose queued entries in that band ran out."""
+    return key_prefix(fleet) + "queue:floors"
 
 
 def queue_released_key(fleet: str) -> str:

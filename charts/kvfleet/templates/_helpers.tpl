@@ -219,6 +219,9 @@ gateway container alone (the bootstrap needs no secret). */}}
 {{- with $g.queueCaps }}
 - --queue-caps={{ . }}
 {{- end }}
+{{- with $g.queuePolicy }}
+- --queue-policy={{ . }}
+{{- end }}
 {{- with $g.apiKeysSecret }}
 - --api-keys-secret={{ include "kvfleet.gateway.fleetNamespace" $ }}/{{ . }}
 {{- end }}
