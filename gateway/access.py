@@ -13,6 +13,7 @@ from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.queue_order import DEFAULT_TENANT
+from kvfleet.gateway.tenant_metrics import TenantMetrics
 from kvfleet.gateway.usage import Cost, Settlement, request_cost
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -20,10 +21,13 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 @dataclass(frozen=True)
 class Tenant:
-    """Whose share of the fleet queue a request uses: its API key's name and weight, else the tenant header's."""
+    """Whose share of the fleet queue a request uses: its API key's name, weight and caps, else the tenant header's
+    (caps None: none)."""
 
     name: str
     weight: float = 1.0
+    max_queued: int | None = None  # its requests waiting in the fleet queue, fleet-wide
+    max_inflight: int | None = None  # its requests admitted and not finished (queued or at an engine), fleet-wide
 
 
 def authenticate(keys: Any | None, request_headers: Mapping[str, str]) -> Any | None:
@@ -37,19 +41,23 @@ def authenticate(keys: Any | None, request_headers: Mapping[str, str]) -> Any | 
     return key
 
 
-def request_tenant(key: Any | None, request_headers: Mapping[str, str]) -> Tenant:
+def request_tenant(key: Any | None, request_headers: Mapping[str, str], max_queued: int | None = None,
+                   max_inflight: int | None = None) -> Tenant:
     """The key's name when API keys are on (the header is ignored then: any client could claim any tenant);
-    without keys the `x-kvfleet-tenant` header, unverified, else the default tenant. 400 for a malformed header."""
+    without keys the `x-kvfleet-tenant` header, unverified, else the default tenant. 400 for a malformed header.
+    The caps are the key's where it sets them, else the ones given (the gateway's defaults)."""
     if key is not None:
-        return Tenant(key.name, getattr(key, "weight", 1.0))
+        own_queued, own_inflight = getattr(key, "max_queued", None), getattr(key, "max_inflight", None)
+        return Tenant(key.name, getattr(key, "weight", 1.0), max_queued if own_queued is None else own_queued,
+                      max_inflight if own_inflight is None else own_inflight)
     given = request_headers.get(headers.TENANT)
     if given is None or given == "":
-        return Tenant(DEFAULT_TENANT)
+        return Tenant(DEFAULT_TENANT, max_queued=max_queued, max_inflight=max_inflight)
     if not TENANT_NAME.fullmatch(given):
         shown = given if len(given) <= 80 else given[:80] + "..."
         raise APIError(400, f"{headers.TENANT} must be 1 to 64 letters, digits, '.', '_' or '-' (such as "
                             f"'team-a'), not {shown!r}", param=headers.TENANT)
-    return Tenant(given)
+    return Tenant(given, max_queued=max_queued, max_inflight=max_inflight)
 
 
 class TenantCharge:
@@ -79,10 +87,11 @@ class TenantCharge:
 
 
 async def admit_key(limiter: Any | None, key: Any | None, body: dict | None, metrics: GatewayMetrics,
-                    run: Callable[[Coroutine], None], share: TenantCharge | None = None) -> Settlement | None:
+                    run: Callable[[Coroutine], None], share: TenantCharge | None = None,
+                    tenants: TenantMetrics | None = None) -> Settlement | None:
     """Admits a request against its key's rpm/tpm, reserving its cost (429 with Retry-After when over); the
     Settlement settles the reservation and corrects the tenant's charge (`share`) at the end, through `run`
-    (the relay's end is sync code)."""
+    (the relay's end is sync code). A refusal counts for the key's tenant in `tenants`."""
     settles: list[Callable[[int], None]] = []
     cost = share.cost if share is not None else None
     if key is not None and limiter is not None:
@@ -90,6 +99,8 @@ async def admit_key(limiter: Any | None, key: Any | None, body: dict | None, met
         verdict = await limiter.admit(key, limit_cost.tokens if limit_cost else 0)
         if not verdict.allowed:
             metrics.shed.labels("any", f"rate_limit_{verdict.reason}").inc()
+            if tenants is not None:
+                tenants.shed(key.name, f"rate_limit_{verdict.reason}")
             per = "requests" if verdict.reason == "rpm" else "tokens"
             raise APIError(429, f"API key {key.key_id} is over its {per}-per-minute limit; retry in "
                                 f"{verdict.retry_after_s} s", "rate_limit_exceeded", code=f"{verdict.reason}_limit",

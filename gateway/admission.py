@@ -34,10 +34,3 @@ def admit(priority: Priority, fleet_has_capacity: bool, queued_total: int, queue
         return Verdict(Action.SHED, "queue_full", f"the fleet queue for {priority.value} requests is full "
                                                   f"({class_cap} waiting); retry later")
     return Verdict(Action.QUEUE)
-
-
-def retry_after_seconds(queued_total: int, drain_per_s: float, floor: int = 1, ceiling: int = 60) -> int:
-    """A Retry-After hint: how long the queue ahead would take to drain at the recent release rate."""
-    if drain_per_s <= 0:
-        return min(ceiling, max(floor, 5))
-    return int(min(ceiling, max(floor, round(queued_total / drain_per_s))))

@@ -28,7 +28,7 @@ from kvfleet.fleet.http_limits import BodyDeadline
 from kvfleet.fleet.openai_schema import RequestSchemaError, parse_json, validate_request
 from kvfleet.fleet.priority import DEFAULT_PRIORITY, Priority, forwarded_engine_priority, parse_priority
 from kvfleet.gateway.access import Tenant, TenantCharge, admit_key, authenticate, request_tenant
-from kvfleet.gateway.admission import Action, admit, retry_after_seconds
+from kvfleet.gateway.admission import Action, admit
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.fleet_queue import FleetQueue, Outcome
@@ -36,9 +36,13 @@ from kvfleet.gateway.kv_events_client import KVEventFollower
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys, Tokenize
 from kvfleet.gateway.proxy import Forwarder
+from kvfleet.gateway.queue_order import Placement, Refusal
+from kvfleet.gateway.queue_wait import predicted_wait_s, retry_after_s
 from kvfleet.gateway.routing import available, free_slots
 from kvfleet.gateway.scraper import Scraper
 from kvfleet.gateway.strategies import PREFIX_STRATEGIES
+from kvfleet.gateway.tenant_limits import TenantInFlight
+from kvfleet.gateway.tenant_metrics import TenantMetrics
 from kvfleet.gateway.usage import Settlement, ask_stream_usage, request_cost
 
 log = logging.getLogger("kvfleet.gateway")
@@ -73,12 +77,15 @@ class Gateway:
     discovery: object | None = None
     keys: object | None = None  # gateway.auth.ApiKeyStore when API keys are on
     limiter: object | None = None  # gateway.rate_limit.RateLimiter when per-key limits are on
+    in_flight: TenantInFlight | None = None  # tenants' admitted, unfinished requests (their max_inflight caps)
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _release_task: asyncio.Task | None = None
+    tenant_metrics: TenantMetrics = field(init=False)
 
     def __post_init__(self) -> None:
         self.pool = EndpointPool(self.config.eject_after_failures, self.config.eject_seconds)
         self.prefix = PrefixRouting(self.tokenize)
+        self.tenant_metrics = TenantMetrics(self.metrics, self.config.tenant_metrics_top)
         # Envoy's modes: False until the endpoint picker listens (the app starts first: its startup starts what the
         # picker needs) and again once it drains; /ready is 503 meanwhile. None: no picker in this process.
         self.picker_serving: bool | None = None if self.config.data_plane == "python" else False
@@ -95,6 +102,8 @@ class Gateway:
         self.queue.release_window_ms = max(1, round(c.scrape_interval_s * 1000))
         await self.queue.start()
         self.metrics.redis_up.set(1 if self.queue.using_redis else 0)
+        self.in_flight = TenantInFlight(self.queue.client, c.fleet, c.gateway_id)
+        self._tasks.append(asyncio.create_task(self.in_flight.renew_forever(), name="tenant in-flight leases"))
         if self.keys is not None and self.limiter is None:
             from kvfleet.gateway.rate_limit import InProcessRateLimiter, RateLimiter
 
@@ -116,6 +125,8 @@ class Gateway:
             await self.scraper.stop()
         if self.kv_events:
             await self.kv_events.stop()
+        if self.in_flight:
+            await self.in_flight.stop()
         if self.queue:
             await self.queue.stop()
         if self.client:
@@ -202,7 +213,8 @@ class Gateway:
         read a stream's usage chunk (an Envoy without kvfleet's Lua filter), so the engine is not asked for it."""
         max_queue_ms = self._max_queue_ms(request_headers.get(headers.MAX_QUEUE_MS))
         key = authenticate(self.keys, request_headers)
-        tenant = request_tenant(key, request_headers)
+        tenant = request_tenant(key, request_headers, self.config.tenant_max_queued, self.config.tenant_max_inflight)
+        self.tenant_metrics.arrived(tenant.name)
         raw = await read_body()
         try:  # the engines' own strict schema: a body they would refuse never waits in the queue or costs a retry
             body = parse_json(raw)
@@ -213,6 +225,7 @@ class Gateway:
         share = TenantCharge(self.queue, priority, tenant, request_cost(body), self._run_in_background) \
             if self.config.queue_policy == "fair" else None
         settlement = await self._limit(key, body, share)
+        settlement = self.tenant_metrics.counted(tenant.name, settlement, body)  # served tokens, whatever the policy
         # the trust rule (kvfleet.fleet.priority): a body's priority reaches the engine only from a trusted key
         engine_priority = forwarded_engine_priority(priority, body.get("priority"),
                                                     getattr(key, "allow_priority", False), self.config.forward_priority)
@@ -226,12 +239,13 @@ class Gateway:
         if changed:
             raw = json.dumps(body).encode()
         try:
+            await self._take_in_flight_slot(tenant, priority, settlement)
             has_capacity = bool(available(self.pool.snapshots(), self.config.saturation))
             counts = self.queue.counts()
             verdict = admit(priority, has_capacity, sum(counts.values()), counts[priority],
                             self.config.queue_caps[priority])
             if verdict.action is Action.SHED:
-                raise self._shed(priority, verdict.reason, verdict.message)
+                raise self._shed(priority, verdict.reason, verdict.message, tenant)
             if verdict.action is Action.QUEUE:
                 if on_queue is not None:
                     await on_queue(max_queue_ms)
@@ -247,37 +261,85 @@ class Gateway:
     async def _wait_in_queue(self, is_disconnected: Callable[[], Awaitable[bool]], priority: Priority,
                              max_queue_ms: float, has_capacity: bool, tenant: Tenant,
                              share: TenantCharge | None) -> None:
-        entry = await self.queue.enqueue(priority, max_queue_ms, tenant.name, share.amount if share else 0.0)
-        if entry is None:
-            raise self._shed(priority, "queue_full", f"the fleet queue for {priority.value} requests is full "
-                                                     f"({self.config.queue_caps[priority]} waiting); retry later")
+        entry, placement = await self.queue.place(priority, max_queue_ms, tenant.name,
+                                                  share.amount if share else 0.0, tenant.max_queued)
+        if not placement.queued:
+            raise self._not_queued(priority, tenant, placement, max_queue_ms)
         if has_capacity:
             self.poke()
         started = time.monotonic()
+        self.tenant_metrics.queued(tenant.name, +1)
         try:
             outcome = await self.queue.wait(entry, is_disconnected)
         except asyncio.CancelledError:  # the picker's stream was reset: its client left while queued
             self.metrics.shed.labels(priority.value, "disconnected").inc()
+            self.tenant_metrics.shed(tenant.name, "disconnected")
             raise
-        self.metrics.queue_wait.labels(priority.value).observe(time.monotonic() - started)
+        finally:
+            self.tenant_metrics.queued(tenant.name, -1)
+        waited = time.monotonic() - started
+        self.metrics.queue_wait.labels(priority.value).observe(waited)
+        self.tenant_metrics.waited(tenant.name, waited)
         if outcome is Outcome.EXPIRED:
             self.metrics.shed.labels(priority.value, "deadline").inc()
+            self.tenant_metrics.shed(tenant.name, "deadline")
             raise APIError(503, f"the fleet stayed saturated for {max_queue_ms:.0f} ms, the longest this request "
                                 f"may wait ({headers.MAX_QUEUE_MS}); retry later", "service_unavailable",
                            code="queue_timeout", headers={headers.RETRY_AFTER: str(self._retry_after())})
         if outcome is Outcome.DISCONNECTED:
             self.metrics.shed.labels(priority.value, "disconnected").inc()
+            self.tenant_metrics.shed(tenant.name, "disconnected")
             raise APIError(499, "the client closed the connection while queued", code="client_closed")
         if share is not None:
             share.released()
 
-    def _shed(self, priority: Priority, reason: str, message: str) -> APIError:
+    def _shed(self, priority: Priority, reason: str, message: str, tenant: Tenant | None = None,
+              retry_after: int | None = None) -> APIError:
         self.metrics.shed.labels(priority.value, reason).inc()
+        if tenant is not None:
+            self.tenant_metrics.shed(tenant.name, reason)
+        wait = self._retry_after() if retry_after is None else retry_after
         return APIError(429, message, "rate_limit_exceeded", code=f"shed_{reason}",
-                        headers={headers.RETRY_AFTER: str(self._retry_after())})
+                        headers={headers.RETRY_AFTER: str(wait)})
+
+    def _not_queued(self, priority: Priority, tenant: Tenant, placement: Placement, max_queue_ms: float) -> APIError:
+        """The answer to a request the fleet queue would not take: its class or its tenant is at its cap (429), or
+        the queue ahead of it would not drain by its deadline (503; 429 for sheddable), each with a Retry-After."""
+        rate = self.queue.drain_rate_per_s()
+        if placement.refusal is Refusal.CLASS_FULL:
+            return self._shed(priority, "queue_full", f"the fleet queue for {priority.value} requests is full "
+                                                      f"({self.config.queue_caps[priority]} waiting); retry later",
+                              tenant)
+        if placement.refusal is Refusal.TENANT_FULL:
+            wait = retry_after_s(placement.ahead, rate)
+            return self._shed(priority, "tenant_queue_full", f"tenant {tenant.name!r} already has {placement.ahead} "
+                              f"requests waiting in the fleet queue, the most it may (max_queued); retry in {wait} s",
+                              tenant, retry_after=wait)
+        wait, retry = predicted_wait_s(placement.ahead, rate), retry_after_s(placement.ahead, rate, max_queue_ms)
+        reason = "deadline_predicted"
+        self.metrics.shed.labels(priority.value, reason).inc()
+        self.tenant_metrics.shed(tenant.name, reason)
+        return APIError(429 if priority is Priority.SHEDDABLE else 503,
+                        f"about {wait:.1f} s of queued work is ahead of this request ({placement.ahead} requests, the "
+                        f"fleet serving {rate:.2f}/s), longer than the {max_queue_ms:.0f} ms it may wait "
+                        f"({headers.MAX_QUEUE_MS}); retry in {retry} s, or allow a longer wait",
+                        "service_unavailable", code="queue_deadline_unreachable",
+                        headers={headers.RETRY_AFTER: str(retry)})
+
+    async def _take_in_flight_slot(self, tenant: Tenant, priority: Priority, settlement: Settlement) -> None:
+        """Counts the request against its tenant's max_inflight until it ends; 429 with Retry-After at the cap."""
+        if tenant.max_inflight is None:
+            return
+        slot = await self.in_flight.acquire(tenant.name, tenant.max_inflight)
+        if slot is None:
+            wait = self.in_flight.retry_after_s(tenant.max_inflight)
+            raise self._shed(priority, "tenant_inflight_full", f"tenant {tenant.name!r} already has "
+                             f"{tenant.max_inflight} requests admitted and unfinished, the most it may "
+                             f"(max_inflight); retry in {wait} s", tenant, retry_after=wait)
+        settlement.when_finished(slot.release)
 
     def _retry_after(self) -> int:
-        return retry_after_seconds(self.queue.total(), self.queue.drain_rate_per_s())
+        return retry_after_s(self.queue.total(), self.queue.drain_rate_per_s())
 
     def _max_queue_ms(self, header: str | None) -> float:
         if header is None or header == "":
@@ -294,7 +356,8 @@ class Gateway:
 
     async def _limit(self, key: object | None, body: dict | None,
                      share: TenantCharge | None = None) -> Settlement | None:
-        return await admit_key(self.limiter, key, body, self.metrics, self._run_in_background, share)
+        return await admit_key(self.limiter, key, body, self.metrics, self._run_in_background, share,
+                               self.tenant_metrics)
 
     def _run_in_background(self, work: Coroutine) -> None:
         """A Redis write started from sync code (the relay's end), awaited at stop."""
@@ -315,6 +378,7 @@ class Gateway:
         return body
 
     def render_metrics(self) -> bytes:
+        self.tenant_metrics.refresh()  # a tenant that stopped sending is demoted even while nobody sends
         snaps = self.pool.snapshots()
         policy = self.config.saturation
         states = {"available": 0, "saturated": 0, "unhealthy": 0}

@@ -1,10 +1,13 @@
 """Optional API keys for the gateway, held only as sha256 hashes.
 
 Key lines (a file, or each value of a Kubernetes Secret) read
-`<key or sha256:<64 hex>> [name=N] [rpm=N] [tpm=N] [weight=W] [allow_priority=true|false]`; `#` at a line's
-start or after a space starts a comment (a key cannot start with `#` or hold spaces).
-A key's name is its tenant in the fleet queue's fair share, `weight` its share (default 1); keys with the same name
-are one tenant, so they must give the same weight.
+`<key or sha256:<64 hex>> [name=N] [rpm=N] [tpm=N] [weight=W] [max_queued=N] [max_inflight=N]
+[allow_priority=true|false]`; `#` at a line's start or after a space starts a comment (a key cannot start with `#`
+or hold spaces).
+A key's name is its tenant in the fleet queue's fair share, `weight` its share (default 1), `max_queued` and
+`max_inflight` its tenant's caps on requests waiting in the fleet queue and admitted but unfinished (default: the
+gateway's --tenant-max-queued / --tenant-max-inflight); keys with the same name are one tenant, so they must give
+the same weight and caps.
 Hash a key for the file with `printf %s "$KEY" | sha256sum`.
 """
 
@@ -25,6 +28,7 @@ from kvfleet.fleet.headers import API_KEY, AUTHORIZATION
 
 HASH_PREFIX = "sha256:"
 LIMIT_OPTIONS = ("rpm", "tpm")
+TENANT_CAP_OPTIONS = ("max_queued", "max_inflight")
 BOOLEAN_OPTIONS = ("allow_priority",)
 WEIGHT_RANGE = (0.01, 1000.0)
 COMMENT = re.compile(r"(^|\s)#.*")
@@ -40,6 +44,8 @@ class KeyInfo:
     tpm: int | None = None
     allow_priority: bool = False  # may set the engine's `priority` in the body; else the gateway drops it
     weight: float = 1.0  # its tenant's (its name's) share of the fleet queue, relative to other tenants
+    max_queued: int | None = None  # its tenant's caps (None: the gateway's defaults)
+    max_inflight: int | None = None
 
 
 def hash_key(key: str) -> str:
@@ -68,16 +74,18 @@ def parse_key_lines(
 
 def _parse_line(line: str, default_rpm: int | None, default_tpm: int | None) -> tuple[str, KeyInfo]:
     first, *options = line.split()
-    if "=" in first and first.split("=", 1)[0] in ("name", "weight", *LIMIT_OPTIONS, *BOOLEAN_OPTIONS):
+    if "=" in first and first.split("=", 1)[0] in ("name", "weight", *LIMIT_OPTIONS, *TENANT_CAP_OPTIONS,
+                                                   *BOOLEAN_OPTIONS):
         raise ValueError(f"the key must come first, before {first.split('=', 1)[0]}=")
     digest = _digest_of(first)
     settings: dict[str, Any] = {"name": digest[:12], "rpm": default_rpm, "tpm": default_tpm, "allow_priority": False,
-                                "weight": 1.0}
+                                "weight": 1.0, "max_queued": None, "max_inflight": None}
     seen: set[str] = set()
     for option in options:
         field, sep, value = option.partition("=")
         if not sep or field not in settings:
-            raise ValueError(f"unknown option {option!r}; expected name=, rpm=, tpm=, weight= or allow_priority=")
+            raise ValueError(f"unknown option {option!r}; expected name=, rpm=, tpm=, weight=, max_queued=, "
+                             "max_inflight= or allow_priority=")
         if field in seen:
             raise ValueError(f"{field}= is given twice")
         if not value:
@@ -92,6 +100,12 @@ def _parse_line(line: str, default_rpm: int | None, default_tpm: int | None) -> 
         else:
             settings[field] = _parse_limit(field, value)
     return digest, KeyInfo(key_id=digest[:12], **settings)
+
+
+def _share(share: tuple[float, int | None, int | None]) -> str:
+    weight, queued, inflight = share
+    return f"weight={weight:g} max_queued={queued if queued is not None else '-'} " \
+           f"max_inflight={inflight if inflight is not None else '-'}"
 
 
 def _digest_of(token: str) -> str:
@@ -130,11 +144,13 @@ class ApiKeyStore:
     """Checks presented keys against stored sha256 hashes; no plaintext key is kept."""
 
     def __init__(self, keys: Mapping[str, KeyInfo]):
-        weights: dict[str, float] = {}
+        shares: dict[str, tuple[float, int | None, int | None]] = {}
         for info in keys.values():
-            if weights.setdefault(info.name, info.weight) != info.weight:
-                raise ValueError(f"keys named {info.name!r} give different weights ({weights[info.name]:g} and "
-                                 f"{info.weight:g}); keys with one name are one tenant: give them the same weight=")
+            share = (info.weight, info.max_queued, info.max_inflight)
+            if shares.setdefault(info.name, share) != share:
+                raise ValueError(f"keys named {info.name!r} give different weights or caps ({_share(shares[info.name])}"
+                                 f" and {_share(share)}); keys with one name are one tenant: give them the same "
+                                 "weight=, max_queued= and max_inflight=")
         self._entries: list[tuple[bytes, KeyInfo]] = [(bytes.fromhex(h), info) for h, info in keys.items()]
 
     def __len__(self) -> int:

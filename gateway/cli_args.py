@@ -11,7 +11,13 @@ from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import Priority, engine_priority
 from kvfleet.fleet.redis_keys import key_prefix
-from kvfleet.gateway.config import DATA_PLANES, ROUTING_STRATEGIES, GatewayConfig, parse_queue_caps
+from kvfleet.gateway.config import (
+    DATA_PLANES,
+    MAX_TENANT_METRICS_TOP,
+    ROUTING_STRATEGIES,
+    GatewayConfig,
+    parse_queue_caps,
+)
 from kvfleet.gateway.fair_order import QUEUE_POLICIES
 from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
 
@@ -54,8 +60,17 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="inside a class, fair: tenants (API key names, or x-kvfleet-tenant without keys) share by "
                         "least service received in tokens, weighted by the keys' weight=; fcfs: first come, first "
                         "served")
+    q.add_argument("--tenant-max-queued", type=int, default=None, metavar="N",
+                   help="a tenant's requests waiting in the fleet queue, fleet-wide; beyond it: 429 (a key's "
+                        "max_queued= overrides it; default: only the class caps)")
+    q.add_argument("--tenant-max-inflight", type=int, default=None, metavar="N",
+                   help="a tenant's requests admitted and not finished (waiting or at an engine), fleet-wide; beyond "
+                        "it: 429 (a key's max_inflight= overrides it; default: none)")
     q.add_argument("--queue-caps", default="", help="per-class queue caps, e.g. critical=1000,standard=1000,"
                                                      "sheddable=100 (over the cap: 429)")
+    q.add_argument("--tenant-metrics-top", type=int, default=d0.tenant_metrics_top, metavar="N",
+                   help="the N tenants with the most recent requests get their own kvfleet_gateway_tenant_* series, "
+                        f"the rest share 'other' (0: only 'other'; at most {MAX_TENANT_METRICS_TOP})")
     r = p.add_argument_group("routing")
     r.add_argument("--routing", choices=ROUTING_STRATEGIES, default=d0.routing)
     r.add_argument("--tokenizer", default=d0.tokenizer, metavar="MODEL",
@@ -123,6 +138,8 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         saturation=SaturationPolicy(args.saturation_queue, args.saturation_kv, args.max_metrics_age_ms / 1000.0),
         scrape_interval_s=args.scrape_interval_ms / 1000.0, default_max_queue_ms=args.max_queue_ms,
         aging_ms=args.aging_ms, queue_policy=args.queue_policy, queue_caps=parse_queue_caps(args.queue_caps),
+        tenant_max_queued=args.tenant_max_queued, tenant_max_inflight=args.tenant_max_inflight,
+        tenant_metrics_top=args.tenant_metrics_top,
         eject_after_failures=args.eject_after_failures, eject_seconds=args.eject_seconds,
         max_body_bytes=args.max_body_bytes, forward_priority=args.forward_priority,
         api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,

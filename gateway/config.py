@@ -20,6 +20,7 @@ ROUTING_STRATEGIES = tuple(STRATEGIES)  # the routing registry's names, in its o
 DATA_PLANES = ("python", "envoy", "envoy-sidecar", "picker")
 DEFAULT_PICKER_PORT = 9002  # the Gateway API Inference Extension's endpoint picker (EPP) port
 DEFAULT_CAPS = {Priority.CRITICAL: 1000, Priority.STANDARD: 1000, Priority.SHEDDABLE: 100}
+MAX_TENANT_METRICS_TOP = 1000  # tenants named in the per-tenant metrics: each adds a handful of series
 
 
 @dataclass
@@ -41,6 +42,8 @@ class GatewayConfig:
     aging_ms: float = 10_000.0
     queue_policy: str = "fair"  # one of QUEUE_POLICIES: fair share among tenants inside a class, or fcfs
     queue_caps: dict[Priority, int] = field(default_factory=lambda: dict(DEFAULT_CAPS))
+    tenant_max_queued: int | None = None  # per tenant, fleet-wide (a key's max_queued= overrides it)
+    tenant_max_inflight: int | None = None  # per tenant, fleet-wide: admitted and unfinished
     eject_after_failures: int = 3
     eject_seconds: float = 10.0
     upstream_connect_timeout_s: float = 2.0
@@ -60,6 +63,7 @@ class GatewayConfig:
     api_keys_secret: str | None = None  # namespace/name of a Kubernetes Secret
     rpm_per_key: int | None = None
     tpm_per_key: int | None = None
+    tenant_metrics_top: int = 20  # tenants with their own kvfleet_gateway_tenant_* series; the rest are "other"
 
     def __post_init__(self) -> None:
         from kvfleet.gateway.discovery import normalize_engine_url
@@ -85,6 +89,10 @@ class GatewayConfig:
             raise ValueError("--aging-ms must be positive")
         if self.queue_policy not in QUEUE_POLICIES:
             raise ValueError(f"--queue-policy must be one of {', '.join(QUEUE_POLICIES)}, not {self.queue_policy!r}")
+        for flag, cap in (("--tenant-max-queued", self.tenant_max_queued),
+                          ("--tenant-max-inflight", self.tenant_max_inflight)):
+            if cap is not None and cap < 0:
+                raise ValueError(f"{flag} must be a count >= 0 (or left out for no cap), not {cap}")
         for p, cap in self.queue_caps.items():
             if cap < 0:
                 raise ValueError(f"the {p.value} queue cap must be >= 0, not {cap}")
@@ -98,6 +106,9 @@ class GatewayConfig:
             raise ValueError(f"--engine-api-key ({ENGINE_API_KEY_ENV}) must be non-empty printable text")
         if self.api_keys_file and self.api_keys_secret:
             raise ValueError("use either --api-keys-file or --api-keys-secret, not both")
+        if not 0 <= self.tenant_metrics_top <= MAX_TENANT_METRICS_TOP:
+            raise ValueError(f"--tenant-metrics-top must be a whole number from 0 (every tenant is 'other') to "
+                             f"{MAX_TENANT_METRICS_TOP}, not {self.tenant_metrics_top}")
         if not self.fleet or any(c in self.fleet for c in "{}: "):
             raise ValueError(f"--fleet must be a plain name (no braces, colons or spaces), not {self.fleet!r}")
 

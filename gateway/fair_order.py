@@ -3,8 +3,9 @@ with aging across bands. The pure policy, which the in-process queue runs and th
 
 Fair share is virtual token counters (VTC, "Fairness in Serving Large Language Models", Sheng et al., OSDI'24):
 each tenant has, per band, a counter of the service it received (tokens / weight). A band's candidate is the head
-(earliest score) of its queued tenant with the lowest counter (ties: the lower name); the band whose candidate has
-the lower `queue_order.queue_score` goes first, so aging still lets an old request overtake a busier band above it.
+of its queued tenant with the lowest counter (ties: the lower name), a tenant's own entries going earliest deadline
+first (ties: the lower id); the band whose candidate has the lower `queue_order.queue_score` goes first, so aging
+still lets an old request overtake a busier band above it.
 A tenant that becomes active (had nothing queued in the band) is lifted to the lowest counter of the tenants active
 there (or, none being active, to the counter of the last tenant that left): idle time is not banked as credit.
 Counters of idle tenants are kept up to `max_idle` per band, the lowest dropped first (a lift would raise them).
@@ -31,7 +32,7 @@ class Band:
     active: dict[str, float] = field(default_factory=dict)
     idle: dict[str, float] = field(default_factory=dict)
     floor: float = 0.0  # the counter of the last tenant that left `active`
-    queued: dict[str, list[tuple[float, str]]] = field(default_factory=dict)  # tenant -> sorted (score, id)
+    queued: dict[str, list[tuple[float, str]]] = field(default_factory=dict)  # tenant -> sorted (deadline, id)
 
 
 class FairOrder:
@@ -53,7 +54,7 @@ class FairOrder:
         band = self.bands[entry.priority]
         if entry.tenant not in band.active:
             self._activate(band, entry.tenant)
-        bisect.insort(band.queued.setdefault(entry.tenant, []), (entry.score, entry.id))
+        bisect.insort(band.queued.setdefault(entry.tenant, []), (entry.deadline_ms, entry.id))
         self.entries[entry.id] = entry
 
     def remove(self, entry_id: str) -> QueueEntry | None:
@@ -62,7 +63,7 @@ class FairOrder:
             return None
         band = self.bands[entry.priority]
         queued = band.queued[entry.tenant]
-        queued.pop(bisect.bisect_left(queued, (entry.score, entry.id)))
+        queued.pop(bisect.bisect_left(queued, (entry.deadline_ms, entry.id)))
         if not queued:
             del band.queued[entry.tenant]
             counter = band.active.pop(entry.tenant)
@@ -81,17 +82,34 @@ class FairOrder:
 
     def peek(self) -> QueueEntry | None:
         if self.policy == "fcfs":
-            heads = [min(q) for band in self.bands.values() for q in band.queued.values()]
-            return self.entries[min(heads)[1]] if heads else None
-        best: tuple[float, str] | None = None
+            return min(self.entries.values(), key=lambda e: (e.score, e.id), default=None)
+        best: QueueEntry | None = None
         for p in sorted(Priority, key=lambda p: p.rank):
             band = self.bands[p]
             if band.active:
                 tenant = min(band.active, key=lambda t: (band.active[t], t))
-                head = band.queued[tenant][0]
-                if best is None or head[0] < best[0]:
+                head = self.entries[band.queued[tenant][0][1]]
+                if best is None or head.score < best.score:
                     best = head
-        return self.entries[best[1]] if best else None
+        return best
+
+    def ahead(self, entry: QueueEntry) -> int:
+        """About how many queued entries go before `entry` (not queued yet; ties left out): under fcfs those with a
+        lower score; under fair every entry of the bands above, its tenant's own with earlier deadlines (k), and of
+        each other tenant in its band at most k + 1 (as if tenants took turns one request at a time: weights and
+        counters are left out, so a tenant far behind on service is served sooner than this says)."""
+        if self.policy == "fcfs":
+            return sum(1 for e in self.entries.values() if e.score < entry.score)
+        above = sum(len(q) for p in Priority if p.rank < entry.priority.rank
+                    for q in self.bands[p].queued.values())
+        band = self.bands[entry.priority]
+        own = band.queued.get(entry.tenant, [])
+        k = bisect.bisect_left(own, (entry.deadline_ms, ""))  # strictly earlier deadlines
+        return above + k + sum(min(len(q), k + 1) for t, q in band.queued.items() if t != entry.tenant)
+
+    def queued_by(self, tenant: str) -> int:
+        """The tenant's entries in every band."""
+        return sum(len(band.queued.get(tenant, ())) for band in self.bands.values())
 
     def charge(self, priority: Priority, tenant: str, amount: float) -> None:
         """Adds service (tokens / weight, negative for a correction) to a tenant's counter in a band."""

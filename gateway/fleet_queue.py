@@ -3,7 +3,10 @@
 Each replica keeps a future per request it holds. Any replica that sees free capacity releases the next entries
 by the queue policy (fair_order.py); a released entry of another replica reaches it on its grants channel. A
 replica's heartbeat keeps its entries alive, so the entries of one that died are dropped, and a periodic reconcile
-puts back entries Redis lost (a restart) and removes this replica's orphans.
+puts back entries Redis lost (a restart) and removes this replica's orphans. An entry released for another replica
+holds a lease until its owner takes the grant: a grant lost on the channel is found by the owner's reconcile, and a
+dead owner's leases are swept. Entries carry deadlines: one whose queue ahead cannot drain in time at the fleet's
+measured drain rate is refused when it would be queued (queue_wait.py).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 
@@ -22,7 +25,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.local_queue import LocalQueue
-from kvfleet.gateway.queue_order import DEFAULT_TENANT, QueueEntry, queue_score
+from kvfleet.gateway.queue_order import DEFAULT_TENANT, Placement, QueueEntry, queue_score
+from kvfleet.gateway.queue_wait import DRAIN_WINDOW_S, drain_rate, max_ahead
 from kvfleet.gateway.redis_queue import RedisQueue
 
 log = logging.getLogger(__name__)
@@ -61,7 +65,9 @@ class FleetQueue:
         self._entries: dict[str, QueueEntry] = {}
         self._counts = {p: 0 for p in Priority}
         self._missing_once: set[str] = set()
-        self._released_at: deque[float] = deque(maxlen=256)
+        self._stopping = False
+        self._drained: dict[int, int] = {}  # fleet-wide releases per wall-clock second, as of the last refresh
+        self._local_drained: Counter[int] = Counter()  # this replica's releases while Redis is down
         self._tasks: list[asyncio.Task] = []
         self._seq = 0
         self._restore_failures = 0
@@ -74,13 +80,15 @@ class FleetQueue:
                        asyncio.create_task(self._listen(), name="queue grants")]
 
     async def stop(self) -> None:
+        self._stopping = True  # redis-py can swallow a cancel inside a read (as a timeout): the loops also see this
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.wait(self._tasks, timeout=5.0)
         for entry_id in list(self._waiters):
             await self._remove(entry_id)
         if self.client is not None:
             try:
+                await self.redis.acknowledge(list(self._waiters))  # nobody here takes their grants any more
                 await self.client.delete(self.redis.heartbeat_key)
             except REDIS_DOWN:
                 pass
@@ -102,42 +110,54 @@ class FleetQueue:
         if self.using_redis:
             try:
                 self._counts = await self.redis.counts()
+                self._drained = await self.redis.drained(now_ms())
             except REDIS_DOWN as err:
                 await self._degrade(err)
         return self.total()
 
-    def drain_rate_per_s(self, window_s: float = 10.0) -> float:
-        cutoff = time.monotonic() - window_s
-        return sum(1 for t in self._released_at if t >= cutoff) / window_s
+    def drain_rate_per_s(self) -> float | None:
+        """Entries the queue released per second lately, fleet-wide (this replica's while degraded); None while too
+        few were released to tell (queue_wait.py)."""
+        return drain_rate(self._drained if self.using_redis else self._local_drained, time.time())
 
     async def enqueue(self, priority: Priority, max_wait_ms: float, tenant: str = DEFAULT_TENANT,
                       charge: float = 0.0) -> QueueEntry | None:
         """Queues a tenant's request, to be charged `charge` (tokens / weight) on release; None when its class is at
         its cap."""
+        entry, placement = await self.place(priority, max_wait_ms, tenant, charge, deadline_aware=False)
+        return entry if placement.queued else None
+
+    async def place(self, priority: Priority, max_wait_ms: float, tenant: str = DEFAULT_TENANT,
+                    charge: float = 0.0, tenant_cap: int | None = None,
+                    deadline_aware: bool = True) -> tuple[QueueEntry, Placement]:
+        """Queues a tenant's request, to be charged `charge` (tokens / weight) on release, unless its class is at its
+        cap, its tenant has `tenant_cap` entries queued, or (deadline_aware) the queue ahead of it cannot drain within
+        max_wait_ms at the fleet's drain rate. The entry, and what became of it."""
         self._seq += 1
         arrival = now_ms()
         entry = QueueEntry(id=f"{self.gateway_id}-{self._seq}", priority=priority,
                            score=queue_score(arrival, priority, self.aging_ms),
                            deadline_ms=arrival + max_wait_ms, owner=self.gateway_id, tenant=tenant, charge=charge)
+        bound = max_ahead(self.drain_rate_per_s(), max_wait_ms) if deadline_aware else None
         # registered first, so a reconcile running meanwhile does not take it for an orphan
         self._entries[entry.id] = entry
         self._waiters[entry.id] = asyncio.get_running_loop().create_future()
-        if await self._enqueue(entry, self.caps[priority]):
-            return entry
-        self._entries.pop(entry.id)
-        self._waiters.pop(entry.id)
-        return None
+        placement = await self._place(entry, self.caps[priority], tenant_cap, bound)
+        if not placement.queued:
+            self._entries.pop(entry.id)
+            self._waiters.pop(entry.id)
+        return entry, placement
 
-    async def _enqueue(self, entry: QueueEntry, cap: int) -> bool:
+    async def _place(self, entry: QueueEntry, cap: int, tenant_cap: int | None, bound: int | None) -> Placement:
         if self.using_redis:
             try:
-                if not await self.redis.enqueue(entry, cap):
-                    return False
-                self._counts[entry.priority] += 1
-                return True
+                placement = await self.redis.place(entry, cap, tenant_cap, bound)
+                if placement.queued:
+                    self._counts[entry.priority] += 1
+                return placement
             except REDIS_DOWN as err:
                 await self._degrade(err)
-        return self.local.enqueue(entry, cap)
+        return self.local.place(entry, cap, tenant_cap, bound)
 
     async def charge(self, priority: Priority, tenant: str, amount: float) -> None:
         """Adds service to a tenant's counter (a request sent without queueing, or a correction at its end); a no-op
@@ -196,14 +216,16 @@ class FleetQueue:
             except REDIS_DOWN as err:
                 await self._degrade(err)
                 return []
-            self._released_at.extend([time.monotonic()] * len(released))
             for entry_id, owner in released:
                 if owner == self.gateway_id:
                     self._grant(entry_id)
             return released
         out = []
+        second = int(time.time())
+        for old in [s for s in self._local_drained if s < second - DRAIN_WINDOW_S - 1]:
+            del self._local_drained[old]
         for entry in self.local.release(n):
-            self._released_at.append(time.monotonic())
+            self._local_drained[second] += 1
             self._grant(entry.id)
             out.append((entry.id, self.gateway_id))
         return out
@@ -273,9 +295,10 @@ class FleetQueue:
         self.on_backend_change(True)
 
     async def _maintain(self) -> None:
-        """Heartbeat every second; every other second, drop dead replicas' entries and put back lost ones."""
+        """Heartbeat every second; every other second, drop dead replicas' entries and leases, take grants whose
+        message was lost (by their leases) and put back entries Redis lost."""
         tick = 0
-        while True:
+        while not self._stopping:
             await asyncio.sleep(1.0)
             tick += 1
             if self.redis is None:
@@ -295,12 +318,14 @@ class FleetQueue:
     async def _reconcile(self) -> None:
         live = {i for i, w in self._waiters.items() if not w.done()}
         await self.redis.sweep(now_ms(), own_live_ids=live)
+        await self.redis.sweep_leases(now_ms(), self.heartbeat_ms)
         if not live:
             self._missing_once.clear()
             return
         ids = sorted(live)
         scores = await self.client.zmscore(self.redis.keys[0], ids)
         missing = {i for i, s in zip(ids, scores, strict=True) if s is None}
+        missing -= await self._take_missed_grants(missing)  # released, not lost: never queued again
         for entry_id in missing & self._missing_once:  # gone twice in a row: Redis lost it, not a grant in flight
             if entry_id in self._entries and not self._waiters[entry_id].done():
                 await self.redis.enqueue(self._entries[entry_id], cap=1 << 30)
@@ -309,19 +334,20 @@ class FleetQueue:
 
     async def _listen(self) -> None:
         """Grants from other replicas; resubscribes after Redis comes back."""
-        while True:
+        while not self._stopping:
             if not self.using_redis:
                 await asyncio.sleep(0.2)
                 continue
             pubsub = self.client.pubsub()
             try:
                 await pubsub.subscribe(self.redis.grants_channel)
-                while self.using_redis:
+                while self.using_redis and not self._stopping:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message and message.get("type") == "message":
                         data = message["data"]
-                        self._released_at.append(time.monotonic())
-                        self._grant(data.decode() if isinstance(data, bytes) else data)
+                        entry_id = data.decode() if isinstance(data, bytes) else data
+                        self._grant(entry_id)
+                        await self.redis.acknowledge([entry_id])
             except REDIS_DOWN as err:
                 await self._degrade(err)
             except Exception as err:
@@ -332,6 +358,16 @@ class FleetQueue:
                     await pubsub.aclose()
                 except REDIS_DOWN:
                     pass
+
+    async def _take_missed_grants(self, missing: set[str]) -> set[str]:
+        """Of this replica's entries gone from the queue, those another replica released to it (a lease says so)
+        while its message on the grants channel was lost: granted now, their leases acknowledged."""
+        leased = sorted(await self.redis.leased(sorted(missing)))
+        for entry_id in leased:
+            log.info("entry %s was released to this replica but its grant never came; granting it now", entry_id)
+            self._grant(entry_id)
+        await self.redis.acknowledge(leased)
+        return set(leased)
 
 
 async def _watch_disconnect(is_disconnected: Callable[[], Awaitable[bool]], every_s: float = 0.05) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.fair_order import FairOrder
-from kvfleet.gateway.queue_order import QueueEntry
+from kvfleet.gateway.queue_order import Placement, QueueEntry, Refusal
 
 
 class LocalQueue:
@@ -13,13 +13,24 @@ class LocalQueue:
         self._counts = {p: 0 for p in Priority}
 
     def enqueue(self, entry: QueueEntry, cap: int | None) -> bool:
+        return self.place(entry, cap).queued
+
+    def place(self, entry: QueueEntry, cap: int | None, tenant_cap: int | None = None,
+              max_ahead: int | None = None) -> Placement:
+        """The Redis queue's `place`, step for step: refused when the class holds `cap` entries, the tenant
+        `tenant_cap`, or more than `max_ahead` would go before it."""
         if entry.id in self.order.entries:
-            return True
+            return Placement(None, 0)
         if cap is not None and self._counts[entry.priority] >= cap:
-            return False
+            return Placement(Refusal.CLASS_FULL, 0)
+        if tenant_cap is not None and (mine := self.order.queued_by(entry.tenant)) >= tenant_cap:
+            return Placement(Refusal.TENANT_FULL, mine)
+        ahead = self.order.ahead(entry)
+        if max_ahead is not None and ahead > max_ahead:
+            return Placement(Refusal.TOO_LONG, ahead)
         self.order.add(entry)
         self._counts[entry.priority] += 1
-        return True
+        return Placement(None, ahead)
 
     def remove(self, entry_id: str) -> bool:
         entry = self.order.remove(entry_id)

@@ -44,6 +44,16 @@ class GatewayMetrics:
         self.redis_up = Gauge("kvfleet_gateway_redis_up",
                               "1 while the fleet queue is in Redis, 0 while this replica queues in-process",
                               registry=r)
+        # Per tenant: the top N tenants by traffic by name, the rest "other" (gateway/tenant_metrics.py).
+        self.tenant_queued = Gauge("kvfleet_gateway_tenant_queued", "This replica's requests waiting in the fleet "
+                                   "queue, by tenant", ["tenant"], registry=r)
+        self.tenant_served_tokens = Counter("kvfleet_gateway_tenant_served_tokens", "Tokens (prompt + completion) "
+                                            "the engines reported for each tenant's answers", ["tenant"], registry=r)
+        self.tenant_queue_wait = Histogram("kvfleet_gateway_tenant_queue_wait_seconds", "Time each tenant's "
+                                           "requests waited in the fleet queue", ["tenant"], buckets=LATENCY_BUCKETS,
+                                           registry=r)
+        self.tenant_shed = Counter("kvfleet_gateway_tenant_shed", "Each tenant's requests refused without reaching "
+                                   "an engine", ["tenant", "reason"], registry=r)
 
     def labelled(self, metric: MetricWrapperBase, *values: str) -> MetricWrapperBase:
         """`metric.labels(*values)`, looked up once: labels() takes a lock and checks its arguments on every call,

@@ -8,6 +8,7 @@ it, so nothing starves. Inside a class the score also orders each tenant's own e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from kvfleet.fleet.priority import Priority
 
@@ -30,3 +31,23 @@ class QueueEntry:
     owner: str  # the gateway replica holding the client's connection
     tenant: str = DEFAULT_TENANT
     charge: float = 0.0  # its estimated tokens / its tenant's weight, added to the tenant's counter on release
+
+
+class Refusal(StrEnum):
+    """Why the queue would not take an entry (each is a shed reason in the gateway's metrics)."""
+
+    CLASS_FULL = "queue_full"  # its class holds its cap of entries
+    TENANT_FULL = "tenant_queue_full"  # its tenant holds its cap of entries
+    TOO_LONG = "deadline"  # more wait ahead of it than its deadline allows
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What queueing an entry did: queued (refusal None) or not, and about how many entries go before it."""
+
+    refusal: Refusal | None
+    ahead: int
+
+    @property
+    def queued(self) -> bool:
+        return self.refusal is None

@@ -13,9 +13,12 @@ from redis.asyncio import Redis
 from kvfleet.fleet import redis_keys
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.fair_order import MAX_IDLE_TENANTS
-from kvfleet.gateway.queue_order import QueueEntry
+from kvfleet.gateway.queue_order import Placement, QueueEntry, Refusal
+from kvfleet.gateway.queue_wait import DRAIN_WINDOW_S
 
 IDLE_COUNTERS_TTL_MS = 3_600_000  # a band's idle counters go after an hour without any charge or departure
+NO_BOUND = 1 << 50  # max_ahead when there is none
+PLACED = {1: None, 0: Refusal.CLASS_FULL, 2: Refusal.TENANT_FULL, 3: Refusal.TOO_LONG}  # _ENQUEUE's statuses
 
 # Every script starts with this prelude: the band keys (KEYS[5..4+2n]: each band's active and idle tenants), the
 # band names and tenant-key prefixes (ARGV[2..1+2n]), and helpers that keep the tenants' structures with the queue.
@@ -89,20 +92,44 @@ local function unlink(id)
 end
 """
 
+# Queues an entry unless its class is at its cap (0), its tenant has `tenant_cap` entries queued (2), or more entries
+# would go before it than `max_ahead` (3: it could not be served by its deadline); 1 when queued. Returns {status,
+# ahead}: about how many entries go before it (fair_order.FairOrder.ahead, the same estimate step for step).
 _ENQUEUE = _PRELUDE + """
 local id, score, meta, prio, cap, tenant = ARGV[A + 1], ARGV[A + 2], ARGV[A + 3], ARGV[A + 4], ARGV[A + 5], ARGV[A + 6]
-if redis.call('HEXISTS', KEYS[2], id) == 1 then return 1 end
+local deadline, tenant_cap, max_ahead, policy = ARGV[A + 7], tonumber(ARGV[A + 8]), tonumber(ARGV[A + 9]), ARGV[A + 10]
+if redis.call('HEXISTS', KEYS[2], id) == 1 then return {1, 0} end
 local in_class = tonumber(redis.call('HGET', KEYS[3], prio) or '0')
-if in_class >= tonumber(cap) then return 0 end
+if in_class >= tonumber(cap) then return {0, 0} end
+if tenant_cap >= 0 then
+  local mine = 0
+  for _, o in ipairs(ORDER) do mine = mine + redis.call('ZCARD', o.prefix .. tenant) end
+  if mine >= tenant_cap then return {2, mine} end
+end
+local b = band[prio]
+local ahead = 0
+if policy == 'fcfs' or not b then
+  ahead = redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. score)
+else
+  for _, o in ipairs(ORDER) do
+    if o == b then break end
+    ahead = ahead + tonumber(redis.call('HGET', KEYS[3], o.name) or '0')
+  end
+  local k = redis.call('ZCOUNT', b.prefix .. tenant, '-inf', '(' .. deadline)
+  ahead = ahead + k
+  for _, t in ipairs(redis.call('ZRANGE', b.active, 0, -1)) do
+    if t ~= tenant then ahead = ahead + math.min(redis.call('ZCARD', b.prefix .. t), k + 1) end
+  end
+end
+if ahead > max_ahead then return {3, ahead} end
 redis.call('ZADD', KEYS[1], score, id)
 redis.call('HSET', KEYS[2], id, meta)
 redis.call('HINCRBY', KEYS[3], prio, 1)
-local b = band[prio]
 if b then
   activate(b, tenant)
-  redis.call('ZADD', b.prefix .. tenant, score, id)
+  redis.call('ZADD', b.prefix .. tenant, deadline, id)
 end
-return 1
+return {1, ahead}
 """
 
 _REMOVE = _PRELUDE + """
@@ -119,7 +146,8 @@ return 1
 # Pops up to ARGV[A+1] entries by the policy (fair_order.py), less what any replica released within the last
 # window (replicas that saw the same free room between two scrapes must not each fill it); an entry whose owner has
 # no heartbeat, or whose deadline is long past, is dropped and the next one taken. Entries of other live replicas
-# are handed to them on their grants channel. Heartbeat keys and grants channels are a prefix and an owner's id.
+# are handed to them on their grants channel and leased to them (KEYS[K+2]) until they acknowledge. Releases are
+# counted per wall-clock second (the drain rate). Heartbeat keys and grants channels are a prefix and an owner's id.
 _RELEASE = _PRELUDE + """
 local want = tonumber(ARGV[A + 1]) - tonumber(redis.call('GET', KEYS[K + 1]) or '0')
 local heartbeat, now, grace, me = ARGV[A + 2], tonumber(ARGV[A + 3]), tonumber(ARGV[A + 4]), ARGV[A + 5]
@@ -132,9 +160,9 @@ local function next_head()
       local low = redis.call('ZRANGE', b.active, 0, 0)
       while #low > 0 do
         local key = b.prefix .. low[1]
-        local head = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+        local head = redis.call('ZRANGE', key, 0, 0)  -- the tenant's earliest deadline
         if #head > 0 then
-          local score = tonumber(head[2])
+          local score = tonumber(redis.call('ZSCORE', KEYS[1], head[1]) or '0')
           if best == nil or score < best_score then best, best_score, best_key = head[1], score, key end
           break
         end
@@ -156,7 +184,10 @@ while count < want do
     local owner, prio, deadline, amount, tenant = parse(meta)
     if redis.call('EXISTS', heartbeat .. owner) == 1 and tonumber(deadline) + grace > now then
       if policy == 'fair' and band[prio] then charge(band[prio], tenant, amount) end
-      if owner ~= me then redis.call('PUBLISH', grants .. owner, id) end
+      if owner ~= me then  -- leased to its owner until it acknowledges: a grant it misses is not lost
+        redis.call('HSET', KEYS[K + 2], id, owner .. '|' .. ARGV[A + 3])
+        redis.call('PUBLISH', grants .. owner, id)
+      end
       table.insert(released, id)
       table.insert(released, owner)
       count = count + 1
@@ -168,6 +199,9 @@ end
 if count > 0 then
   redis.call('INCRBY', KEYS[K + 1], count)
   redis.call('PEXPIRE', KEYS[K + 1], window)
+  local drained = ARGV[A + 9] .. math.floor(now / 1000)
+  redis.call('INCRBY', drained, count)
+  redis.call('PEXPIRE', drained, ARGV[A + 10])
 end
 return released
 """
@@ -182,6 +216,22 @@ for i = 1, #all, 2 do
   local orphan = own ~= '' and owner == own and redis.call('SISMEMBER', KEYS[K + 1], id) == 0
   if orphan or redis.call('EXISTS', heartbeat .. owner) == 0 or tonumber(deadline) + grace < now then
     unlink(id)
+    removed = removed + 1
+  end
+end
+return removed
+"""
+
+# Drops leases (KEYS[1]) whose owner has no heartbeat (it died, and its clients' connections with it) or that are
+# older than ARGV[3] ms (their owner no longer waits on them); returns how many went.
+_SWEEP_LEASES = """
+local heartbeat, now, max_age = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local removed = 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local owner, released = string.match(all[i + 1], '^([^|]*)|(.*)$')
+  if owner == nil or redis.call('EXISTS', heartbeat .. owner) == 0 or (tonumber(released) or 0) + max_age < now then
+    redis.call('HDEL', KEYS[1], all[i])
     removed = removed + 1
   end
 end
@@ -207,7 +257,7 @@ class RedisQueue:
         self.heartbeat_key = redis_keys.heartbeat_key(fleet, gateway_id)
         self._scripts = {name: client.register_script(lua) for name, lua in
                          (("enqueue", _ENQUEUE), ("remove", _REMOVE), ("charge", _CHARGE), ("release", _RELEASE),
-                          ("sweep", _SWEEP))}
+                          ("sweep", _SWEEP), ("sweep_leases", _SWEEP_LEASES))}
 
     async def _run(self, script: str, args: list, keys: tuple[str, ...] = ()):
         return await self._scripts[script](keys=[*self.keys, *keys], args=[*self._band_args, *args])
@@ -220,9 +270,18 @@ class RedisQueue:
         await self.client.set(self.heartbeat_key, "1", px=ttl_ms)
 
     async def enqueue(self, entry: QueueEntry, cap: int) -> bool:
+        """Queues the entry unless its class holds `cap` entries."""
+        return (await self.place(entry, cap)).queued
+
+    async def place(self, entry: QueueEntry, cap: int, tenant_cap: int | None = None,
+                    max_ahead: int | None = None) -> Placement:
+        """Queues the entry unless its class holds `cap` entries, its tenant `tenant_cap`, or more than `max_ahead`
+        would go before it (None: no such bound); how many go before it either way."""
         meta = f"{entry.owner}|{entry.priority.value}|{int(entry.deadline_ms)}|{float(entry.charge)!r}|{entry.tenant}"
-        return bool(await self._run("enqueue", [entry.id, entry.score, meta, entry.priority.value, cap,
-                                                entry.tenant]))
+        status, ahead = await self._run("enqueue", [
+            entry.id, entry.score, meta, entry.priority.value, cap, entry.tenant, repr(float(entry.deadline_ms)),
+            -1 if tenant_cap is None else tenant_cap, NO_BOUND if max_ahead is None else max_ahead, self.policy])
+        return Placement(PLACED[int(status)], int(ahead))
 
     async def remove(self, entry_id: str) -> bool:
         return bool(await self._run("remove", [entry_id]))
@@ -236,9 +295,19 @@ class RedisQueue:
         this replica sees, which the others see too); returns (id, owner) pairs, others' entries already granted."""
         flat = await self._run("release", [n, redis_keys.heartbeat_prefix(self.fleet), now_ms, self.grace_ms,
                                            self.gateway_id, window_ms, redis_keys.grants_prefix(self.fleet),
-                                           self.policy], keys=(redis_keys.queue_released_key(self.fleet),))
+                                           self.policy, redis_keys.queue_drained_prefix(self.fleet),
+                                           (DRAIN_WINDOW_S + 2) * 1000],
+                                  keys=(redis_keys.queue_released_key(self.fleet), self.leases_key))
         flat = [x.decode() if isinstance(x, bytes) else x for x in flat]
         return list(zip(flat[0::2], flat[1::2], strict=True))
+
+    async def drained(self, now_ms: float) -> dict[int, int]:
+        """Entries released fleet-wide in each of the last DRAIN_WINDOW_S + 1 wall-clock seconds (second -> count)."""
+        now_s = int(now_ms // 1000)
+        seconds = list(range(now_s - DRAIN_WINDOW_S, now_s + 1))
+        prefix = redis_keys.queue_drained_prefix(self.fleet)
+        counts = await self.client.mget([f"{prefix}{s}" for s in seconds])
+        return {s: int(c) for s, c in zip(seconds, counts, strict=True) if c}
 
     async def sweep(self, now_ms: float, own_live_ids: set[str] | None = None) -> int:
         """Drops entries of dead replicas and long-expired ones; with own_live_ids, this replica's orphans too."""
@@ -266,3 +335,26 @@ class RedisQueue:
             if name in Priority._value2member_map_:
                 counts[Priority(name)] = max(0, int(v))
         return counts
+
+    # ---- leases: an entry released to another replica is leased to it until it says it has the grant ----------
+    @property
+    def leases_key(self) -> str:
+        return redis_keys.queue_leases_key(self.fleet)
+
+    async def leased(self, entry_ids: list[str]) -> set[str]:
+        """Those of this replica's entries that another replica released to it and it has not acknowledged."""
+        if not entry_ids:
+            return set()
+        values = await self.client.hmget(self.leases_key, entry_ids)
+        return {i for i, v in zip(entry_ids, values, strict=True) if v is not None}
+
+    async def acknowledge(self, entry_ids: list[str]) -> None:
+        """This replica has the grants of these entries: their leases go."""
+        if entry_ids:
+            await self.client.hdel(self.leases_key, *entry_ids)
+
+    async def sweep_leases(self, now_ms: float, lease_ms: float) -> int:
+        """Drops the leases of dead replicas, and those unacknowledged for lease_ms plus the grace (long expired)."""
+        removed = await self._scripts["sweep_leases"](
+            keys=[self.leases_key], args=[redis_keys.heartbeat_prefix(self.fleet), now_ms, lease_ms + self.grace_ms])
+        return int(removed)

@@ -177,6 +177,14 @@ class Settlement:
         self.hide_stream_usage = hide_stream_usage
         self._settle = settle
         self.settled: int | None = None
+        self._when_finished: list[Callable[[], None]] = []
+
+    def when_finished(self, callback: Callable[[], None]) -> None:
+        """Calls `callback` once the request has ended (settled, refunded or abandoned), at once if it has."""
+        if self.settled is None:
+            self._when_finished.append(callback)
+        else:
+            callback()
 
     def __call__(self, usage: Usage) -> None:
         if usage.total is not None:
@@ -198,3 +206,5 @@ class Settlement:
         if self.settled is None:
             self.settled = actual
             self._settle(actual)
+            for callback in self._when_finished:
+                callback()

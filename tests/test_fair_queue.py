@@ -139,7 +139,8 @@ async def _counters(client: Redis, priority: Priority) -> dict[str, float]:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_redis_scripts_and_the_in_process_policy_agree_step_by_step(redis_server, seed: int) -> None:
-    """The same random enqueues, removals, charges and releases on both: the same releases, the same counters."""
+    """The same random enqueues (deadlines, tenant caps and bounds on the wait ahead), removals, charges and releases
+    on both: the same placements and estimates of the queue ahead, the same releases, the same counters."""
     rng = random.Random(seed)
     policy = "fcfs" if seed == 5 else "fair"
 
@@ -157,10 +158,15 @@ def test_the_redis_scripts_and_the_in_process_policy_agree_step_by_step(redis_se
             if op < 0.45:
                 p = rng.choice([C, S, S, X])
                 arrival = rng.choice([1000.0, 1000.0 + step, 1000.0 + step * 0.3])  # ties on purpose
-                entry = QueueEntry(f"e{step}", p, queue_score(arrival, p, 50.0), 1e13, "gw", rng.choice(tenants),
+                deadline = rng.choice([1e13, 1e13, 2e12 + step % 7, rng.uniform(1e12, 1e13)])  # ties on purpose
+                entry = QueueEntry(f"e{step}", p, queue_score(arrival, p, 50.0), deadline, "gw", rng.choice(tenants),
                                    rng.choice([0.0, 1.0, 0.1, 333.3, rng.uniform(0, 900)]))
-                assert await remote.enqueue(entry, 1 << 30) is local.enqueue(entry, None) is True
-                queued.append(entry.id)
+                tenant_cap = rng.choice([None, None, rng.randint(0, 12)])
+                bound = rng.choice([None, None, rng.randint(-1, 40)])
+                placed = await remote.place(entry, 1 << 30, tenant_cap, bound)
+                assert placed == local.place(entry, None, tenant_cap, bound), f"step {step}"
+                if placed.queued:
+                    queued.append(entry.id)
             elif op < 0.55 and queued:
                 victim = queued.pop(rng.randrange(len(queued)))
                 assert await remote.remove(victim) is local.remove(victim) is True

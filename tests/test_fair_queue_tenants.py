@@ -31,11 +31,18 @@ def test_a_weight_out_of_range_is_refused_with_what_to_write(tmp_path: Path, val
         ApiKeyStore.from_file(keys_file(tmp_path, f"sk-x name=x weight={value}\n"))
 
 
-def test_keys_with_one_name_are_one_tenant_and_must_give_the_same_weight(tmp_path: Path) -> None:
-    same = ApiKeyStore.from_file(keys_file(tmp_path, "sk-1 name=team weight=3\nsk-2 name=team weight=3\n"))
-    assert request_tenant(same.lookup("sk-1"), {}) == request_tenant(same.lookup("sk-2"), {}) == Tenant("team", 3)
-    with pytest.raises(ValueError, match=r"keys.txt: keys named 'team' give different weights \(3 and 1\)"):
+def test_keys_with_one_name_are_one_tenant_and_must_give_the_same_weight_and_caps(tmp_path: Path) -> None:
+    same = ApiKeyStore.from_file(keys_file(tmp_path, "sk-1 name=team weight=3 max_queued=5\n"
+                                                     "sk-2 name=team weight=3 max_queued=5\n"))
+    assert request_tenant(same.lookup("sk-1"), {}) == request_tenant(same.lookup("sk-2"), {}) \
+        == Tenant("team", 3, max_queued=5)
+    with pytest.raises(ValueError, match=r"keys.txt: keys named 'team' give different weights or caps "
+                                         r"\(weight=3 max_queued=- max_inflight=- and weight=1 "):
         ApiKeyStore.from_file(keys_file(tmp_path, "sk-1 name=team weight=3\nsk-2 name=team\n"))
+    with pytest.raises(ValueError, match=r"max_queued=-.* and .*max_queued=2 "):
+        ApiKeyStore.from_file(keys_file(tmp_path, "sk-1 name=team\nsk-2 name=team max_queued=2\n"))
+    with pytest.raises(ValueError, match=r"line 1: max_inflight=-1 must be a non-negative integer"):
+        ApiKeyStore.from_file(keys_file(tmp_path, "sk-1 name=team max_inflight=-1\n"))
 
 
 def test_without_keys_the_header_names_the_tenant_else_the_default_one() -> None:
@@ -64,3 +71,24 @@ def test_the_charts_queue_policy_is_the_gateways_default_and_choices() -> None:
     schema = json.loads((chart / "values.schema.json").read_text())["properties"]["gateway"]["properties"]
     assert values["queuePolicy"] == GatewayConfig().queue_policy == "fair"
     assert schema["queuePolicy"]["enum"] == list(QUEUE_POLICIES)
+
+
+def test_the_charts_tenant_caps_and_metrics_defaults_are_the_gateways_and_reach_its_flags() -> None:
+    import json
+
+    import yaml
+
+    from kvfleet.gateway.config import MAX_TENANT_METRICS_TOP, GatewayConfig
+    from tests.test_chart import CHART, container, parse_cli, render
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["gateway"]
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["gateway"]["properties"]
+    defaults = GatewayConfig()
+    assert values["tenantMaxQueued"] is defaults.tenant_max_queued is None
+    assert values["tenantMaxInflight"] is defaults.tenant_max_inflight is None
+    assert values["tenantMetricsTop"] == defaults.tenant_metrics_top
+    assert schema["tenantMetricsTop"]["maximum"] == MAX_TENANT_METRICS_TOP
+    args, _ = parse_cli(container(render(), "gateway"))
+    assert (args.tenant_max_queued, args.tenant_max_inflight, args.tenant_metrics_top) == (None, None, 20)
+    args, _ = parse_cli(container(render(sets=("gateway.tenantMaxQueued=0", "gateway.tenantMaxInflight=8",
+                                               "gateway.tenantMetricsTop=5")), "gateway"))
+    assert (args.tenant_max_queued, args.tenant_max_inflight, args.tenant_metrics_top) == (0, 8, 5)

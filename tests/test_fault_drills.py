@@ -15,7 +15,7 @@ import httpx
 import pytest
 import redis
 
-from kvfleet.fleet.redis_keys import key_prefix, queue_key
+from kvfleet.fleet.redis_keys import heartbeat_key, key_prefix, queue_entries_key, queue_key, queue_leases_key
 from kvfleet.gateway.config import GatewayConfig
 from tests.blackhole_proxy import BlackholeProxy
 from tests.conftest import process_output, start_engine_servers, start_gateway, stop_process
@@ -289,6 +289,63 @@ def test_a_gateway_replica_killed_while_its_requests_wait_in_redis(engines, mode
         if survivor is not None:
             stop_process(survivor)
         stop_process(doomed)
+
+
+# ---- drill 3b -----------------------------------------------------------------------------------------------
+def test_a_gateway_replica_killed_while_requests_released_to_it_are_leased(engines, model, redis_server) -> None:
+    narrow, _ = engines
+    fleet = "drill-leases"
+    args = ("--engine", narrow, "--redis-url", redis_server.url, "--fleet", fleet, "--saturation-queue", "1")
+    store = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    doomed, doomed_url = start_gateway(*args)
+    [doomed_id] = [k.rsplit(":", 1)[1] for k in store.keys(key_prefix(fleet) + "gateway:*") if not k.endswith("live")]
+    survivor = None
+
+    def doomed_keys() -> tuple[int, int]:
+        """The dead replica's (entries, leases) in Redis."""
+        entries = store.hgetall(queue_entries_key(fleet)).values()
+        leases = store.hgetall(queue_leases_key(fleet)).values()
+        return (sum(v.startswith(f"{doomed_id}|") for v in entries), sum(v.startswith(f"{doomed_id}|") for v in leases))
+    try:
+        survivor, survivor_url = start_gateway(*args)
+        wait_until_routable(doomed_url)
+        wait_until_routable(survivor_url)
+        with ThreadPoolExecutor(8) as pool:
+            with saturated(narrow, model, holders=5):
+                theirs, mine = [], []
+                for i, (gateway, group) in enumerate([(doomed_url, theirs)] * 3 + [(survivor_url, mine)] * 3):
+                    group.append(pool.submit(finished, complete, gateway, model, f"r{i}", 8, 60))
+                    until(lambda n=i + 1: store.zcard(queue_key(fleet)) == n, f"request {i} never queued")
+                # frozen just after a heartbeat: the survivor has about three seconds to release its entries to it
+                until(lambda: store.pttl(heartbeat_key(fleet, doomed_id)) > 2500, "no heartbeat")
+                doomed.send_signal(signal.SIGSTOP)
+            # the engine has room again: the survivor releases the frozen replica's entries (first in the queue),
+            # leased to it, then its own
+            until(lambda: doomed_keys()[0] == 0, "the frozen replica's entries were never released", 20)
+            leased = doomed_keys()[1]
+            doomed.send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            lost = [f.result(timeout=20) for f in theirs]  # ((response or error, took), finished at)
+            until(lambda: doomed_keys() == (0, 0), "the dead replica's leases stayed", 20)
+            gone_after = time.monotonic() - killed_at
+            served = [f.result(timeout=60) for f in mine]
+        seen = [getattr(err, "status_code", type(err).__name__) for (err, _), _ in lost]
+        print(f"{leased} entries leased to the frozen replica when it was killed; its clients saw {seen} "
+              f"{max(at for _, at in lost) - killed_at:.2f} s after; its keys were gone {gone_after:.2f} s after")
+        assert leased >= 1  # the drill's point: released to it, not yet acknowledged, when it died
+        # its clients see their connection close, or (Envoy outlives its picker by a moment) a 503 that says retry
+        assert all(isinstance(err, httpx.TransportError) or (
+            err.status_code == 503 and is_openai_error(err) and "retry-after" in err.headers)
+            for (err, _), _ in lost), lost
+        assert all(0 <= at - killed_at < 10 for _, at in lost)  # promptly once it died, not at their deadline
+        assert all(isinstance(r, httpx.Response) and r.status_code == 200 for (r, _), _ in served), served
+        assert gone_after < 3 + 2 + 5  # heartbeat TTL plus one reconcile interval, with room for a busy machine
+        assert store.zcard(queue_key(fleet)) == 0 and not store.exists(heartbeat_key(fleet, doomed_id))
+    finally:
+        if survivor is not None:
+            stop_process(survivor)
+        doomed.kill()  # frozen or dead either way
+        doomed.wait()
 
 
 # ---- drill 4 ------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvfleet.fleet.load import EngineLoad
 from kvfleet.fleet.priority import Priority, parse_priority
-from kvfleet.gateway.admission import Action, admit, retry_after_seconds
+from kvfleet.gateway.admission import Action, admit
 from kvfleet.gateway.config import GatewayConfig, parse_queue_caps
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.local_queue import LocalQueue
@@ -49,13 +49,6 @@ def test_a_full_class_is_shed_with_the_cap_in_the_message() -> None:
     verdict = admit(S, False, 50, 50, 50)
     assert verdict.action is Action.SHED and verdict.reason == "queue_full" and "50 waiting" in verdict.message
     assert admit(C, False, 50, 0, 50).action is Action.QUEUE  # another class still has room
-
-
-def test_retry_after_follows_the_drain_rate_within_bounds() -> None:
-    assert retry_after_seconds(100, 10.0) == 10
-    assert retry_after_seconds(0, 10.0) == 1
-    assert retry_after_seconds(10_000, 1.0) == 60
-    assert 1 <= retry_after_seconds(5, 0.0) <= 60
 
 
 @pytest.mark.parametrize("value,expected", [(None, S), ("", S), ("critical", C), (" Sheddable ", X)])

@@ -52,6 +52,23 @@ def queue_released_key(fleet: str) -> str:
     return key_prefix(fleet) + "queue:released"
 
 
+def queue_leases_key(fleet: str) -> str:
+    """Hash: entry id -> "owner|released_ms", for entries released to another replica that has not yet said it has
+    the grant."""
+    return queue_key(fleet) + ":leases"
+
+
+def queue_drained_prefix(fleet: str) -> str:
+    """What the counter of entries released fleet-wide in one wall-clock second starts with (the queue's Lua appends
+    the second since the epoch; each expires after the drain-rate window)."""
+    return key_prefix(fleet) + "queue:drained:"
+
+
+def tenant_inflight_key(fleet: str, tenant: str) -> str:
+    """Sorted set: a tenant's admitted, unfinished requests (id -> lease expiry ms), for its in-flight cap."""
+    return key_prefix(fleet) + f"tenant:{tenant}:inflight"
+
+
 def heartbeat_prefix(fleet: str) -> str:
     """What a gateway replica's heartbeat key starts with; the queue's Lua scripts append an owner's id."""
     return key_prefix(fleet) + "gateway:"

@@ -222,6 +222,13 @@ gateway container alone (the bootstrap needs no secret). */}}
 {{- with $g.queuePolicy }}
 - --queue-policy={{ . }}
 {{- end }}
+{{- if not (kindIs "invalid" $g.tenantMaxQueued) }}
+- --tenant-max-queued={{ $g.tenantMaxQueued }}
+{{- end }}
+{{- if not (kindIs "invalid" $g.tenantMaxInflight) }}
+- --tenant-max-inflight={{ $g.tenantMaxInflight }}
+{{- end }}
+- --tenant-metrics-top={{ $g.tenantMetricsTop }}
 {{- with $g.apiKeysSecret }}
 - --api-keys-secret={{ include "kvfleet.gateway.fleetNamespace" $ }}/{{ . }}
 {{- end }}

@@ -1,0 +1,51 @@
+"""How long a request would wait in the fleet queue, and the Retry-After the gateway gives when it will not wait.
+
+The fleet's drain rate is what the queue released per second over the last DRAIN_WINDOW_S seconds (fleet-wide in
+Redis, counted by the release script; this replica's own releases while Redis is down). While the queue is not empty
+every new request queues, so that rate is the fleet's throughput for queued work. A request with `ahead` entries
+before it is released after about (ahead + 1) / rate seconds; one that cannot be released by its deadline is answered
+at once instead of being held until the deadline passes. Too few releases to measure a rate (a queue that just formed):
+no estimate, and nobody is refused on it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+DRAIN_WINDOW_S = 10
+MIN_RELEASES = 3  # fewer in the window: no rate (never refuse a request on no data)
+RETRY_AFTER_LIMITS_S = (1, 3600)
+UNKNOWN_RETRY_AFTER_S = 5  # a Retry-After when no rate is known
+
+
+def drain_rate(released: Mapping[int, int], now_s: float) -> float | None:
+    """Releases per second from per-second counts (wall-clock second -> entries released), over the window or since
+    the first second with a release in it if that is later; None with fewer than MIN_RELEASES."""
+    counts = {s: n for s, n in released.items() if now_s - DRAIN_WINDOW_S - 1 < s <= now_s}
+    total = sum(counts.values())
+    if total < MIN_RELEASES:
+        return None
+    return total / max(1.0, min(float(DRAIN_WINDOW_S), now_s - min(counts)))
+
+
+def max_ahead(rate: float | None, max_wait_ms: float) -> int | None:
+    """The most entries that may go before a request for it still to be released within max_wait_ms; None without a
+    rate. Never below 0: a request with nobody ahead waits for the next free slot, which no rate predicts."""
+    if rate is None:
+        return None
+    return max(0, math.floor(rate * max_wait_ms / 1000.0) - 1)
+
+
+def predicted_wait_s(ahead: int, rate: float | None) -> float | None:
+    return None if rate is None else (ahead + 1) / rate
+
+
+def retry_after_s(ahead: int, rate: float | None, max_wait_ms: float = 0.0) -> int:
+    """When to come back: once the queue now ahead has drained to half of what a max_wait_ms deadline allows (all
+    of it for a request that will not wait), if nothing else arrived; whole seconds, 1 to an hour."""
+    wait = predicted_wait_s(ahead, rate)
+    if wait is None:
+        return UNKNOWN_RETRY_AFTER_S
+    low, high = RETRY_AFTER_LIMITS_S
+    return int(min(high, max(low, math.ceil(wait - max_wait_ms / 2000.0))))
