@@ -82,6 +82,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--weight-prefix", type=float, default=d0.weights.prefix)
     r.add_argument("--saturation-queue", type=int, default=d0.saturation.max_queue,
                    help="an engine with this many waiting is saturated")
+    r.add_argument("--queue-release-depth", type=int, default=d0.saturation.release_queue, metavar="N",
+                   help="while requests wait in the fleet queue, fill each engine's free batch slots and N waiting "
+                        "beyond them (an engine's own queue is first come, first served: a short one keeps the fair "
+                        "order in the gateway; raise it for engines whose batches turn over faster than a scrape)")
     r.add_argument("--saturation-kv", type=float, default=d0.saturation.max_kv_cache_usage,
                    help="an engine at this KV usage is saturated")
     r.add_argument("--max-metrics-age-ms", type=float, default=d0.saturation.max_metrics_age_s * 1000.0,
@@ -135,7 +139,8 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         k8s_port_name=args.k8s_port_name, fleet=args.fleet, redis_url=args.redis_url, routing=args.routing,
         tokenizer=args.tokenizer,
         weights=ScoreWeights(args.weight_queue, args.weight_kv, args.weight_prefix),
-        saturation=SaturationPolicy(args.saturation_queue, args.saturation_kv, args.max_metrics_age_ms / 1000.0),
+        saturation=SaturationPolicy(args.saturation_queue, args.saturation_kv, args.max_metrics_age_ms / 1000.0,
+                                    args.queue_release_depth),
         scrape_interval_s=args.scrape_interval_ms / 1000.0, default_max_queue_ms=args.max_queue_ms,
         aging_ms=args.aging_ms, queue_policy=args.queue_policy, queue_caps=parse_queue_caps(args.queue_caps),
         tenant_max_queued=args.tenant_max_queued, tenant_max_inflight=args.tenant_max_inflight,

@@ -87,6 +87,8 @@ class GatewayConfig:
             raise ValueError(f"--max-queue-ms must be between 0 and {self.max_queue_ms_limit:.0f}")
         if self.aging_ms <= 0:
             raise ValueError("--aging-ms must be positive")
+        if self.saturation.release_queue < 0:
+            raise ValueError(f"--queue-release-depth must be a count >= 0, not {self.saturation.release_queue}")
         if self.queue_policy not in QUEUE_POLICIES:
             raise ValueError(f"--queue-policy must be one of {', '.join(QUEUE_POLICIES)}, not {self.queue_policy!r}")
         for flag, cap in (("--tenant-max-queued", self.tenant_max_queued),

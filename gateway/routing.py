@@ -55,6 +55,11 @@ class SaturationPolicy:
     max_queue: int = 5
     max_kv_cache_usage: float = 0.8
     max_metrics_age_s: float = 0.2
+    # While requests wait in the fleet queue, its releases fill an engine's free batch slots and this many waiting
+    # requests beyond them: the engine's own queue is first come, first served, so the order that is fair (by tenant,
+    # fair_order.py) holds only while requests wait in the gateway; one waiting covers a freed slot until the next
+    # scrape releases another.
+    release_queue: int = 1
 
     def is_saturated(self, e: EndpointSnapshot) -> bool:
         return (e.queue_depth >= self.max_queue or e.kv_cache_usage >= self.max_kv_cache_usage
@@ -163,10 +168,14 @@ def pick(strategy: Strategy, endpoints: Sequence[EndpointSnapshot], request: Rou
 
 
 def free_slots(endpoints: Sequence[EndpointSnapshot], policy: SaturationPolicy = SaturationPolicy()) -> int:
-    """How many queued requests the fleet can take now: each available endpoint's free batch slots (when known)
-    and its room below the queue limit."""
+    """How many queued requests the fleet can take now: on each available endpoint, its free batch slots and room for
+    `policy.release_queue` waiting requests; for an engine that does not say its batch capacity, its room below the
+    saturation queue limit (at least one)."""
     total = 0
     for e in available(endpoints, policy):
-        free_batch = max(0, e.max_num_seqs - e.num_running - e.in_flight) if e.max_num_seqs else 0
-        total += max(1, free_batch + policy.max_queue - e.queue_depth)
+        if e.max_num_seqs:
+            free_batch = max(0, e.max_num_seqs - e.num_running - e.in_flight)
+            total += max(0, free_batch + policy.release_queue - e.queue_depth)
+        else:
+            total += max(1, policy.max_queue - e.queue_depth)
     return total

@@ -16,7 +16,7 @@ from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.local_queue import LocalQueue
 from kvfleet.gateway.prefix import PrefixAffinity, prompt_text
 from kvfleet.gateway.queue_order import QueueEntry, queue_score
-from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, free_slots, pick
+from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, SaturationPolicy, free_slots, pick
 from kvfleet.gateway.strategies import strategy_named
 
 C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
@@ -152,12 +152,15 @@ def test_a_busy_small_engine_scores_below_an_idle_large_one() -> None:
     assert pick(KVFLEET, [small, large], RoutingContext(), random.Random(0)).url == "large"
 
 
-def test_free_slots_include_free_batch_slots() -> None:
-    assert free_slots([ep("a", running=2, capacity=8)]) == 6 + 5
-    assert free_slots([ep("a", running=8, waiting=4, capacity=8)]) == 1
+def test_releases_fill_free_batch_slots_and_keep_few_waiting_in_the_engine() -> None:
+    assert free_slots([ep("a", running=2, capacity=8)]) == 6 + 1
+    assert free_slots([ep("a", running=8, waiting=4, capacity=8)]) == 0  # its own FIFO queue holds enough
+    assert free_slots([ep("a", running=8, capacity=8)]) == 1  # one waiting covers the next freed slot
+    assert free_slots([ep("a", running=8, capacity=8)], SaturationPolicy(release_queue=0)) == 0
+    assert free_slots([ep("a", running=8, capacity=8)], SaturationPolicy(release_queue=3)) == 3
 
 
-def test_free_slots_counts_room_below_the_queue_limit_on_available_engines() -> None:
+def test_without_a_batch_capacity_free_slots_count_room_below_the_queue_limit() -> None:
     assert free_slots([ep("a", waiting=0), ep("b", waiting=3), ep("c", waiting=9), ep("d", healthy=False)]) == 7
     assert free_slots([ep("a", kv=0.95), ep("b", age=1.0)]) == 0
 
