@@ -276,6 +276,10 @@ class FleetQueue:
         await self.client.connection_pool.disconnect()
         await self.client.ping()
         await self.redis.heartbeat(self.heartbeat_ms)
+        # entries another replica released to this one during the outage (their leases say so) had their turn:
+        # granted now, not queued a second time
+        for entry_id in await self._take_missed_grants(set(self.local.order.entries)):
+            self.local.remove(entry_id)
         while len(self.local):
             pending = self.local.drain()
             try:

@@ -115,3 +115,27 @@ def test_a_lease_its_live_owner_never_takes_is_swept_once_long_expired(redis_ser
             assert await a.redis.sweep_leases(expires + 1000, b.heartbeat_ms) == 1
             assert leases(redis_server.url) == {}
     asyncio.run(scenario())
+
+
+def test_an_entry_released_to_a_replica_while_it_queued_in_process_is_granted_when_it_moves_back(redis_server) -> None:
+    """Redis unreachable from b alone: b queues in-process while a, which still sees b's heartbeat, releases b's entry
+    in Redis. When b hands its entries back, the lease says that one's turn came: granted, not queued again."""
+    async def scenario() -> None:
+        a, b = replica(redis_server.url, "a"), replica(redis_server.url, "b")
+        a.release_window_ms = 1
+        async with running(a, b):
+            entry = await b.enqueue(S, 30_000)
+            await stop_tasks(b, "queue maintenance", "queue grants")  # b moves back when this test says so, and
+            # hears nothing on its channel meanwhile (a replica cut off from Redis would not)
+            await b._degrade(ConnectionError("b cannot reach Redis"))
+            waiting = asyncio.ensure_future(b.wait(entry, never_disconnects))
+            assert await a.release(1) == [(entry.id, "b")]
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # b heard nothing: it is not listening while degraded
+            await b._try_restore()
+            assert b.using_redis
+            assert await asyncio.wait_for(waiting, 5.0) is Outcome.GRANTED
+            assert entry.id not in leases(redis_server.url)
+            store = redis.Redis.from_url(redis_server.url)
+            assert store.zcard(queue_key("f")) == 0 and store.hlen(queue_entries_key("f")) == 0  # not queued again
+    asyncio.run(scenario())
