@@ -22,9 +22,7 @@ evenly). Jain's index over the backlogged tenants' served tokens is the issue's 
 rarely backlogged, leaving A alone (index 1 by definition), so Jain's index over served / fair share for every tenant
 is reported too: 1.0 when each got its fair share, low when the flood took the light tenants' share.
 
-Order phase: with real Redis and no engine, one deterministic script (5 tenants, weights via charges, bursts, partial
-releases) runs through two `FleetQueue`s sharing Redis (alternating which one enqueues and releases), through one,
-and through the in-process policy; position displacement of each order vs the one-queue order, as % of N.
+Order phase (bench/fair_order_check.py): the fair order through two replicas sharing Redis against one queue's.
 """
 
 from __future__ import annotations
@@ -42,12 +40,13 @@ from pathlib import Path
 import httpx
 
 from bench.capacity import saturated_throughput
+from bench.fair_order_check import order_phase
 from bench.fleet_procs import MODEL_NAME, BenchFleet, spawn, wait_for
 from kvfleet.bench_report import percentile
 from kvfleet.fleet import headers
 from kvfleet.fleet.priority import Priority
 from kvfleet.loadgen import LoadSpec, arrival_times, make_prompts
-from kvfleet.redis_server import RedisServer, free_port
+from kvfleet.redis_server import free_port
 from kvfleet.supervisor import Child, stop_together
 
 LOST_AFTER_QUEUE_S = 120.0  # a request's timeout: the queue deadline plus this, so a hang shows as "lost"
@@ -78,18 +77,6 @@ def max_min_fair_shares(demands: dict[str, float], capacity: float) -> dict[str,
 def backlogged(demands: dict[str, float], shares: dict[str, float], slack: float = 1.01) -> list[str]:
     """Tenants that asked for more than their fair share (by more than `slack`): the ones kept waiting."""
     return sorted(t for t in demands if demands[t] > shares.get(t, 0.0) * slack)
-
-
-def order_displacement(reference: list, other: list) -> dict:
-    """How far each item of `reference` moved in `other`: mean and max |position change| as % of N, and the items
-    missing from `other` (counted as moved to the end)."""
-    n = len(reference)
-    if n == 0:
-        return {"n": 0, "mean_pct": 0.0, "max_pct": 0.0, "missing": 0}
-    where = {item: i for i, item in enumerate(other)}
-    moves = [abs(where.get(item, n) - i) for i, item in enumerate(reference)]
-    return {"n": n, "mean_pct": 100.0 * sum(moves) / n / n, "max_pct": 100.0 * max(moves) / n,
-            "missing": sum(item not in where for item in reference)}
 
 
 def latency_quantiles(values: list[float]) -> dict[str, float | None]:
@@ -319,75 +306,6 @@ def targets(arms: dict[str, dict], ratios: dict[str, dict], order: dict | None) 
             "jain_share_0.95": None if not fair else fair["jain_share"] >= 0.95,
             "none_lost": None if not fair else all(a["summary"]["lost"] == 0 for a in arms.values()),
             "order_within_5pct": None if not order else order["two_replicas_vs_one"]["max_pct"] <= 5.0}
-
-
-# ---- the order phase --------------------------------------------------------------------------------------------
-ORDER_TENANTS = {"t0": 1.0, "t1": 1.0, "t2": 2.0, "t3": 0.5, "t4": 4.0}  # tenant -> weight
-
-
-def order_script(seed: int = 0, steps: int = 60) -> list[tuple[str, object]]:
-    """Deterministic steps: ("enqueue", (tenant, charge)) in bursts, and ("release", n) now and then; then the rest."""
-    rng, script = random.Random(seed), []
-    for _ in range(steps):
-        tenant = rng.choice(sorted(ORDER_TENANTS))
-        for _ in range(rng.randint(1, 8)):
-            script.append(("enqueue", (tenant, rng.choice((50.0, 100.0, 400.0)) / ORDER_TENANTS[tenant])))
-        if rng.random() < 0.4:
-            script.append(("release", rng.randint(1, 6)))
-    return script + [("release", 1 << 20)]
-
-
-async def fleet_queue_order(redis_url: str, fleet: str, replicas: int, script: list) -> list[int]:
-    """The script through `replicas` FleetQueues sharing Redis, alternating which one acts; script indices in
-    release order."""
-    from kvfleet.gateway.fleet_queue import FleetQueue
-
-    caps = {p: 1 << 30 for p in Priority}
-    queues = [FleetQueue(redis_url, fleet, f"{fleet}-r{i}", aging_ms=10_000.0, caps=caps) for i in range(replicas)]
-    for q in queues:
-        q.release_window_ms = 0  # one caller releasing in turn: nothing to hold back for other replicas
-        await q.start()
-    order, index_of = [], {}
-    try:
-        for step, (op, arg) in enumerate(script):
-            queue = queues[step % replicas]
-            if op == "enqueue":
-                entry = await queue.enqueue(Priority.STANDARD, 600_000, tenant=arg[0], charge=arg[1])
-                index_of[entry.id] = step
-            else:
-                order += [index_of[entry_id] for entry_id, _ in await queue.release(arg)]
-    finally:
-        for q in queues:
-            await q.stop()
-    return order
-
-
-def in_process_order(script: list) -> list[int]:
-    """The same script through the in-process policy (fair_order.py), which the Redis scripts mirror."""
-    from kvfleet.gateway.local_queue import LocalQueue
-    from kvfleet.gateway.queue_order import QueueEntry
-
-    queue, order = LocalQueue("fair"), []
-    for step, (op, arg) in enumerate(script):
-        if op == "enqueue":
-            queue.enqueue(QueueEntry(str(step), Priority.STANDARD, float(step), 600_000.0 + step, "me", *arg), None)
-        else:
-            order += [int(e.id) for e in queue.release(arg)]
-    return order
-
-
-def order_phase(redis_url: str | None, seed: int) -> dict:
-    script = order_script(seed)
-    server = RedisServer().start() if redis_url is None else None
-    url = redis_url or server.url
-    try:
-        two = asyncio.run(fleet_queue_order(url, f"order-2-{seed}", 2, script))
-        one = asyncio.run(fleet_queue_order(url, f"order-1-{seed}", 1, script))
-    finally:
-        if server is not None:
-            server.stop()
-    return {"n": len(one), "two_replicas_vs_one": order_displacement(one, two),
-            "in_process_vs_one": order_displacement(one, in_process_order(script))}
 
 
 # ---- the run ------------------------------------------------------------------------------------------------------

@@ -128,7 +128,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _add_bench_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="drive a running gateway or engine with streaming requests; report latencies")
+    p = sub.add_parser("bench", help="drive a running gateway or engine with streaming requests; report latencies",
+                       epilog="kvfleet bench autoscale --help: replay a trace under autoscaling policies instead")
     p.add_argument("--url", default=None, help="the gateway's or engine's base URL (required unless --replot)")
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--rate", type=float, default=float("inf"),
@@ -272,6 +273,11 @@ def _configure_logging(level: str, fmt: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "autoscale"]:  # its own parser: `kvfleet bench --url ...` stays as it is
+        from kvfleet.autoscale_replay.cli import main as replay_main
+
+        return replay_main(argv[2:])
     args = build_parser().parse_args(argv)
     _configure_logging(args.log_level, args.log_format)
     try:

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from bench.fair_order_check import in_process_order, order_displacement, order_script
 from bench.noisy_neighbour import (
     Record,
     backlogged,
-    in_process_order,
     jain_index,
     latency_quantiles,
     max_min_fair_shares,
-    order_displacement,
-    order_script,
     plan_tenants,
     summarize_arm,
 )

@@ -5,9 +5,10 @@ request rate, side by side on the same seeded bursty traces.
     python -m bench.autoscaler_sim --replot bench/results/autoscaler_sim.json
 
 It answers what a policy costs (replica-seconds) for the TTFT SLO it keeps (TTFT <= 2 s), without a cluster:
-discrete time, 1 s steps, pure Python, no processes, and the operator's real recommend(). model.py is the fleet
-(engine pods calibrated from the engine benchmark, the gateway queue) and the simulation loop; policies.py the
-compared autoscalers; workloads.py the traces; report.py the figures, JSON, table and chart; __main__.py the CLI.
+discrete time, 1 s steps, pure Python, no processes, and the operator's real recommend(). model.py runs the
+fleet model of kvfleet/autoscale_replay/ (engine pods calibrated from the engine benchmark, the gateway queue, the
+simulation loop; `kvfleet bench autoscale` replays users' traces on it); policies.py the compared autoscalers;
+workloads.py the traces; report.py the figures, JSON, table and chart; __main__.py the CLI.
 
 Traces: a day squeezed into 2 hours (1 to 4 requests/s), 20 idle minutes (longer than the 10 it takes the default
 policy to reach zero), and 5 bursts of 5-10× for 30-120 s; figures pool several seeds because a burst's outcome

@@ -1,60 +1,18 @@
 """The autoscaling policies the simulator compares: kvfleet's operator (the real recommend()), and Kubernetes HPA
-on one external metric (KEDA's queue-length default, or the request rate). Every policy polls every 15 s."""
+on one external metric (KEDA's queue-length default, or the request rate). Every policy polls every 15 s. The
+policies themselves live in kvfleet/autoscale_replay/policies.py, shared with `kvfleet bench autoscale`."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from bench.autoscaler_sim.model import EngineModel, FleetView, Policy
-from kvfleet.operator.autoscaler import AutoscalerState, AutoscalingPolicy, Observation, recommend
+from bench.autoscaler_sim.model import EngineModel, Policy
+from kvfleet.autoscale_replay.policies import HpaPolicy, KvfleetPolicy
+from kvfleet.autoscale_replay.policies import keda_queue as queue_length_hpa
+from kvfleet.operator.autoscaler import AutoscalingPolicy
 
-
-class KvfleetPolicy:
-    """kvfleet's operator: recommend() on the ready pods' metrics and the gateway's queue."""
-
-    def __init__(self, policy: AutoscalingPolicy) -> None:
-        self.policy, self.state = policy, AutoscalerState()
-
-    def desired(self, view: FleetView) -> int:
-        obs = Observation(view.time, view.replicas, view.pods, view.gateway_queued)
-        return recommend(obs, self.policy, self.state).desired
-
-
-@dataclass
-class HpaPolicy:
-    """Kubernetes HPA on one external metric with an AverageValue target and the default behavior: tolerance,
-    a scale-down window seeded with the initial size, scale-up at most max(+100 %, +4 pods) per period."""
-
-    metric: Callable[[FleetView], float]
-    target: float  # per replica
-    min_replicas: int = 1
-    max_replicas: int = 64
-    tolerance: float = 0.1
-    scale_down_stabilization_s: float = 300.0
-    history: list[tuple[float, int]] = field(default_factory=list)
-
-    def desired(self, view: FleetView) -> int:
-        now, current = view.time, max(view.replicas, 1)
-        if not self.history:
-            self.history.append((now, view.replicas))
-        total = self.metric(view)
-        ratio = total / (self.target * current)
-        raw = current if abs(ratio - 1) <= self.tolerance else math.ceil(total / self.target - 1e-9)
-        raw = min(self.max_replicas, max(self.min_replicas, raw))
-        self.history = [(t, r) for t, r in self.history if t > now - self.scale_down_stabilization_s]
-        self.history.append((now, raw))
-        if raw < current:
-            raw = min(current, max(r for _, r in self.history))
-        return min(raw, max(2 * current, current + 4))
-
-
-def queue_length_hpa(max_replicas: int, per_replica: float = 5.0) -> HpaPolicy:
-    """vLLM production-stack's KEDA default: sum(vllm:num_requests_waiting) / 5. Without kvfleet's gateway queue
-    its router would have sent the gateway's queued requests to the engines, so they count as waiting."""
-    return HpaPolicy(lambda v: sum(p.waiting or 0 for p in v.pods) + v.gateway_queued, per_replica,
-                     max_replicas=max_replicas)
+__all__ = ["HpaPolicy", "KvfleetPolicy", "policies", "queue_length_hpa", "request_rate_hpa", "sweep_variants"]
 
 
 def request_rate_hpa(max_replicas: int, per_replica: float) -> HpaPolicy:

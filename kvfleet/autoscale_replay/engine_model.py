@@ -1,0 +1,149 @@
+"""One engine pod as the replay simulates it, calibrated from the engine benchmark (SmolLM2-135M on 2 CPU cores:
+64 requests of the Anyscale shape in 52.8 s, i.e. 1.2 requests/s at a full batch of 64, prefill included).
+
+A pod runs up to max_num_seqs requests at once with processor-shared decode whose throughput grows with the batch
+(half its asymptote at 25 sequences, from the step-time split), prefills one prompt at a time (~480 tokens/s)
+while decoding pauses, and takes both its waiting requests and the prompts still to prefill by engine priority
+(critical first, as the engine's scheduler does; running requests are not preempted here). It reports KV usage =
+running × a per-request share; a request whose prefill has not started counts as waiting.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+from functools import cached_property
+
+from kvfleet.fleet.priority import Priority, engine_priority
+from kvfleet.operator.autoscaler import PodLoad
+
+MEAN_PROMPT_TOKENS = 136  # the engine benchmark's prompts: uniform 16-256
+MEAN_OUTPUT_TOKENS = 64  # its outputs: mean 64, capped at 256; a request's decode work is in units of this mean
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    capacity_rps: float = 1.2  # requests/s at a full batch, prefill included (engine bench: 64 in 52.8 s)
+    max_num_seqs: int = 64
+    prefill_tokens_per_s: float = 480.0  # engine bench: 8,332 prompt tokens in ~17 s of prefill steps
+    half_rate_batch: float = 25.0  # decode gives half its asymptote at this batch (0.074 s + 2.9 ms/seq steps)
+    kv_per_request: float = 0.011  # ~11 of the 1,024 blocks at the mean context of the shape
+    cold_start_s: int = 30  # image pull and model load
+
+    def __post_init__(self) -> None:
+        if not (self.capacity_rps > 0 and self.max_num_seqs >= 1 and self.prefill_tokens_per_s > 0
+                and self.half_rate_batch >= 0 and self.cold_start_s >= 0 and 0 < self.kv_per_request <= 1):
+            raise ValueError("capacity_rps, max_num_seqs and prefill_tokens_per_s must be positive, half_rate_batch "
+                             "and cold_start_s >= 0, kv_per_request in (0, 1]")
+        if self.capacity_rps * self.mean_prefill_s >= 1:
+            raise ValueError(f"{self.capacity_rps} requests/s would leave no time to decode after "
+                             f"{self.mean_prefill_s:.2f} s prefills; lower capacity_rps")
+
+    @property
+    def mean_prefill_s(self) -> float:
+        return MEAN_PROMPT_TOKENS / self.prefill_tokens_per_s
+
+    @cached_property
+    def decode_rps(self) -> list[float]:
+        """Mean-sized requests finished per second of decoding, by the number running."""
+        full = self.capacity_rps / (1 - self.capacity_rps * self.mean_prefill_s)  # decode-only rate at a full batch
+        h, m = self.half_rate_batch, self.max_num_seqs
+        return [full * n * (m + h) / (m * (n + h)) for n in range(m + 1)]
+
+    def busy_s(self, prompt_tokens: int, work: float) -> float:
+        """Seconds of a pod's time one request takes at a full batch: its prefill and its share of decoding."""
+        return prompt_tokens / self.prefill_tokens_per_s + work / self.decode_rps[self.max_num_seqs]
+
+
+_IDLE = PodLoad(0.0, 0, 0)
+
+
+@dataclass(slots=True)
+class Request:
+    rid: int
+    arrival: float
+    prefill_s: float
+    work: float  # decode work in mean-sized requests
+    priority: Priority = Priority.STANDARD
+    first_token: float | None = None
+    done: bool = False
+    shed: bool = False  # refused by the gateway (429): never served
+
+
+class Pod:
+    """One engine: processor-shared decode over its batch; prompts prefill one at a time and decoding pauses while
+    they do. A request whose prefill has not started counts as waiting in the metrics, as in vLLM's scheduler."""
+
+    def __init__(self, engine: EngineModel, ready_at: float) -> None:
+        self.engine, self.ready_at, self.draining = engine, ready_at, False
+        self.running: list[tuple[float, int, Request]] = []  # heap by the decode progress at which each ends
+        self.waiting: list[tuple[int, int, Request]] = []  # beyond max_num_seqs: heap by (engine priority, order)
+        self.prefills: deque[tuple[float, Request]] = deque()  # (start, request) by start; trimmed by metrics()
+        self.progress = 0.0  # decode work every running request has received since the pod started
+        self.prefill_free_at = 0.0
+        self._queued = 0  # requests ever put in waiting: first come, first served within a priority
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def metrics(self, now: float) -> PodLoad:
+        """What its /metrics would say now: KV usage, running, waiting."""
+        if not self.running:
+            return _IDLE
+        while self.prefills and self.prefills[0][0] <= now:
+            self.prefills.popleft()
+        pending = len(self.prefills)
+        running = len(self.running) - pending
+        return PodLoad(running * self.engine.kv_per_request, running, len(self.waiting) + pending)
+
+    def advance(self, start: float, end: float, arrivals: list[tuple[float, Request]]) -> None:
+        """Serve from start to end, taking the arrivals (time-ordered) as they come."""
+        if not self.running and not arrivals:
+            return
+        now, i = start, 0
+        while True:
+            n = len(self.running)
+            next_arrival = arrivals[i][0] if i < len(arrivals) else end
+            finish, per_request = math.inf, 0.0
+            if n:
+                per_request = self.engine.decode_rps[n] / n
+                decoding_from = max(now, self.prefill_free_at)
+                finish = decoding_from + max(0.0, self.running[0][0] - self.progress) / per_request
+            at = min(next_arrival, finish)
+            if n:
+                self.progress += per_request * max(0.0, at - max(now, self.prefill_free_at))
+            now = at
+            if finish <= next_arrival:
+                heapq.heappop(self.running)[2].done = True
+                if self.waiting:
+                    self._admit(heapq.heappop(self.waiting)[2], now)
+            elif i < len(arrivals):
+                request = arrivals[i][1]
+                i += 1
+                if n < self.engine.max_num_seqs:
+                    self._admit(request, now)
+                else:
+                    self._queued += 1
+                    heapq.heappush(self.waiting, (engine_priority(request.priority), self._queued, request))
+            else:
+                return
+
+    def _admit(self, request: Request, now: float) -> None:
+        heapq.heappush(self.running, (self.progress + request.work, request.rid, request))
+        order = engine_priority(request.priority)
+        at = len(self.prefills)
+        while at and self.prefills[at - 1][0] > now and engine_priority(self.prefills[at - 1][1].priority) > order:
+            at -= 1  # ahead of the prompts of lower priority that have not begun
+        if at == len(self.prefills):
+            self.prefills.append((max(now, self.prefill_free_at), request))
+        else:
+            self.prefills.insert(at, (self.prefills[at][0], request))
+        start = self.prefills[at][0]  # the prompts from here on prefill back to back
+        for k in range(at, len(self.prefills)):
+            queued = self.prefills[k][1]
+            self.prefills[k] = (start, queued)
+            start = queued.first_token = start + queued.prefill_s
+        self.prefill_free_at = start

@@ -1,0 +1,162 @@
+"""The simulated fleet and its loop: engine pods behind the gateway, and simulate(), which runs requests second by
+second under an autoscaling policy.
+
+Pods are ready after a cold start and drain when scaled down (draining and starting pods count in
+replica-seconds). The gateway routes to the least-loaded ready pod; while every pod is saturated (waiting >= 5 or
+KV >= 0.8) or none is ready it queues requests, ordered as its fleet queue orders them (class first, with aging),
+and sheds sheddable arrivals (429), as its admission verdict does; with caps, a class whose queue is full is shed
+too. TTFT = gateway wait + pod wait + prefill.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvfleet.autoscale_replay.engine_model import EngineModel, Pod, Request
+from kvfleet.fleet.priority import Priority
+from kvfleet.gateway.config import GatewayConfig
+from kvfleet.operator.autoscaler import PodLoad
+
+AGING_S = GatewayConfig.aging_ms / 1000  # the gateway's default: a class waits at most this long behind the one above
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """What a policy sees at a decision: the Deployment's replicas, its ready pods' metrics, the gateway queue."""
+
+    time: float
+    replicas: int
+    pods: tuple[PodLoad, ...]
+    gateway_queued: int
+    arrivals_per_s: float  # over the last minute, as Prometheus rate(...[1m]) would give it
+    concurrency: tuple[int, ...] = ()  # requests in the system (pods and queue) at each of the last 60 seconds
+
+
+class Policy(Protocol):
+    """An autoscaler as the simulation drives it: the replicas it wants, given what it sees."""
+
+    def desired(self, view: FleetView) -> int: ...
+
+
+@dataclass
+class Run:
+    """What a simulation produced: every request as it ended, and the replicas at each second of the trace."""
+
+    requests: list[Request]
+    replicas: list[int]  # the Deployment's replicas at each second of the trace
+    pods: list[int]  # every pod that costs: starting, ready, draining
+    in_pods: int  # running or waiting in a pod when the simulation stopped
+    gateway_queued: int
+
+    @property
+    def completed(self) -> int:
+        return sum(1 for r in self.requests if r.done)
+
+
+class Fleet:
+    """Engine pods behind a gateway that routes to the least-loaded ready pod and queues while all are saturated."""
+
+    def __init__(self, engine: EngineModel, replicas: int, saturation_waiting: int = 5,
+                 saturation_kv: float = 0.8, queue_caps: dict[Priority, int] | None = None) -> None:
+        self.engine, self.saturation_waiting, self.saturation_kv = engine, saturation_waiting, saturation_kv
+        self.queue_caps = queue_caps
+        self.pods = [Pod(engine, 0.0) for _ in range(replicas)]
+        self.queue: list[tuple[float, int, Request]] = []  # heap by (the gateway's score, arrival order)
+        self.queued_by_class = dict.fromkeys(Priority, 0)
+        self.arrivals_per_second: list[int] = []
+        self.concurrency: list[int] = []
+
+    @property
+    def replicas(self) -> int:
+        return sum(1 for p in self.pods if not p.draining)
+
+    def ready_pods(self, now: float) -> list[Pod]:
+        return [p for p in self.pods if not p.draining and p.ready_at <= now]
+
+    def view(self, now: float) -> FleetView:
+        recent = self.arrivals_per_second[-60:]
+        return FleetView(now, self.replicas, tuple(p.metrics(now) for p in self.ready_pods(now)), len(self.queue),
+                         sum(recent) / max(1, len(recent)), tuple(self.concurrency[-60:]))
+
+    def scale_to(self, desired: int, now: float) -> None:
+        """New pods start cold; removal takes pods not yet ready first, then the least-loaded, which drain."""
+        live = [p for p in self.pods if not p.draining]
+        for _ in range(desired - len(live)):
+            self.pods.append(Pod(self.engine, now + self.engine.cold_start_s))
+        if desired < len(live):
+            for pod in sorted(live, key=lambda p: (p.ready_at <= now, p.load, -p.ready_at))[:len(live) - desired]:
+                if pod.ready_at > now:
+                    self.pods.remove(pod)
+                else:
+                    pod.draining = True
+
+    def step(self, now: float, arrivals: list[Request]) -> None:
+        """One second: route the gateway's queue (in its order) and the new arrivals, then serve."""
+        self.arrivals_per_second.append(len(arrivals))
+        scraped = [(p, p.metrics(now)) for p in self.ready_pods(now)]
+        sent: list[list[tuple[float, Request]]] = [[] for _ in scraped]
+        heap = [(m.running + m.waiting, k) for k, (_, m) in enumerate(scraped)]
+        heapq.heapify(heap)
+        pending = [(now, r) for _, _, r in sorted(self.queue)] + [(r.arrival, r) for r in arrivals]
+        self.queue.clear()
+        self.queued_by_class = dict.fromkeys(Priority, 0)
+        for at, request in pending:
+            while heap and self._saturated(*scraped[heap[0][1]], len(sent[heap[0][1]]), now):
+                heapq.heappop(heap)  # saturated pods stay so until the next scrape
+            if not heap:  # and once one request waits, every later one does: nobody overtakes the queue
+                self._hold(request)
+                continue
+            load, k = heapq.heappop(heap)
+            sent[k].append((at, request))
+            heapq.heappush(heap, (load + 1, k))
+        by_pod = {id(p): s for (p, _), s in zip(scraped, sent, strict=True)}
+        for pod in self.pods:
+            if pod.ready_at <= now:
+                pod.advance(now, now + 1, by_pod.get(id(pod), []))
+        self.pods = [p for p in self.pods if not (p.draining and p.load == 0)]
+        self.concurrency.append(sum(p.load for p in self.pods) + len(self.queue))
+
+    def _hold(self, request: Request) -> None:
+        """Queue the request, or shed it: sheddable traffic never waits, and a full class takes no more."""
+        cap = self.queue_caps.get(request.priority) if self.queue_caps else None
+        full = cap is not None and self.queued_by_class[request.priority] >= cap
+        if request.priority is Priority.SHEDDABLE or full:
+            request.shed = True
+            return
+        self.queued_by_class[request.priority] += 1
+        heapq.heappush(self.queue, (request.arrival + request.priority.rank * AGING_S, request.rid, request))
+
+    def _saturated(self, pod: Pod, scraped: PodLoad, sent: int, now: float) -> bool:
+        """The gateway's view: the last scrape, plus what it sent since beyond the prompts the pod can begin."""
+        starts = (now + 1 - max(now, pod.prefill_free_at)) / self.engine.mean_prefill_s
+        room = self.engine.max_num_seqs - len(pod.running)
+        started = max(0, min(sent, room, int(starts)))
+        waiting, running = scraped.waiting + sent - started, scraped.running + started
+        return waiting >= self.saturation_waiting or running * self.engine.kv_per_request >= self.saturation_kv
+
+
+def simulate(requests: list[Request], duration_s: int, policy: Policy, engine: EngineModel,
+             initial_replicas: int = 2, period_s: int = 15, tail_s: int = 1800,
+             queue_caps: dict[Priority, int] | None = None) -> Run:
+    """Run the requests (sorted by arrival), deciding every period_s; after the trace, run on with no arrivals (for
+    at most tail_s) until every request has its first token. Replicas are counted over the trace only."""
+    fleet = Fleet(engine, initial_replicas, queue_caps=queue_caps)
+    replicas, pods, next_arrival, now = [], [], 0, 0
+    while now < duration_s or (now < duration_s + tail_s and _unstarted(fleet)):
+        if now % period_s == 0:
+            fleet.scale_to(policy.desired(fleet.view(now)), now)
+        if now < duration_s:
+            replicas.append(fleet.replicas)
+            pods.append(len(fleet.pods))
+        first = next_arrival
+        while next_arrival < len(requests) and requests[next_arrival].arrival < now + 1:
+            next_arrival += 1
+        fleet.step(now, requests[first:next_arrival])
+        now += 1
+    return Run(requests, replicas, pods, sum(p.load for p in fleet.pods), len(fleet.queue))
+
+
+def _unstarted(fleet: Fleet) -> bool:
+    return bool(fleet.queue) or any(p.waiting for p in fleet.pods)

@@ -1,0 +1,152 @@
+"""`kvfleet bench autoscale`: a trace (a user's CSV or a bundled workload) replayed under every policy. Hostile
+CSV gets a message naming the line and exit 2, the JSON has the documented shape, the oracle is the cheapest of
+the policies that meet the SLOs, and a workload written to CSV replays to the same result."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvfleet.autoscale_replay.trace import Row, Trace, TraceError, parse_csv, read_csv, write_csv
+from kvfleet.autoscale_replay.workloads import WORKLOADS, spike
+from kvfleet.cli import main
+from kvfleet.fleet.priority import Priority
+
+GOOD = ("t,prompt_tokens,output_tokens,priority,tenant\n"
+        "5.5,100,50,critical,a\n1,200,64,Standard,b\n3,50,20,sheddable,c\n")
+CLASSES = ["critical", "standard", "sheddable"]
+
+
+def replay(tmp_path: Path, *args: str) -> tuple[int, dict | None]:
+    out = tmp_path / "out.json"
+    code = main(["bench", "autoscale", *args, "--json", str(out)])
+    return code, json.loads(out.read_text()) if code == 0 else None
+
+
+def test_a_good_csv_is_read_sorted_with_extra_columns_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode())  # a spreadsheet's UTF-8 byte-order mark
+    trace = read_csv(path)
+    assert [r.t for r in trace.rows] == [1.0, 3.0, 5.5]
+    assert trace.rows[0] == Row(1.0, 200, 64, Priority.STANDARD)
+    assert trace.duration_s == 6
+    path.write_text(GOOD, encoding="utf-16")  # UTF-16 with its byte-order mark
+    assert read_csv(path) == trace
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", "the file is empty; its first line must be the header t,prompt_tokens,output_tokens,priority"),
+    (b"t,prompt_tokens,output_tokens\n1,2,3\n", "line 1: the header has no column priority"),
+    (b"t,prompt_tokens,output_tokens,priority\n", "no requests after the header"),
+    (b"t,prompt_tokens,output_tokens,priority\n1,10,10,critical\nsoon,10,10,standard\n",
+     "line 3: t is 'soon'; write seconds from the trace's start"),
+    (b"t,prompt_tokens,output_tokens,priority\n-1,10,10,critical\n", "line 2: t is '-1'"),
+    (b"t,prompt_tokens,output_tokens,priority\nnan,10,10,critical\n", "line 2: t is 'nan'"),
+    (b"t,prompt_tokens,output_tokens,priority\ninf,10,10,critical\n", "line 2: t is 'inf'"),
+    (b"t,prompt_tokens,output_tokens,priority\n1,-5,10,critical\n",
+     "line 2: prompt_tokens is '-5'; write a whole number from 1"),
+    (b"t,prompt_tokens,output_tokens,priority\n1,5,1e3,critical\n", "line 2: output_tokens is '1e3'"),
+    (b"t,prompt_tokens,output_tokens,priority\n1,5,5,urgent\n",
+     "line 2: priority is 'urgent'; write one of critical, standard, sheddable"),
+    (b"t,prompt_tokens,output_tokens,priority\n1,5,5\n", "line 2: no value for priority"),
+    (b"t,prompt_tokens,output_tokens,priority\n1,5,5,critical\n2,5,5,caf\xe9\n", "line 3: not UTF-8 text"),
+    (b"t,prompt_tokens,output_tokens,priority\n1,5,5,crit\x00ical\n", "line 2: priority is 'crit\\x00ical'"),
+    (b"t,prompt_tokens,output_tokens,priority\n1,5,5," + b"x" * 200_000 + b"\n", "line 2: longer than"),
+])
+def test_hostile_csv_says_which_line_and_what_to_write_with_exit_2(tmp_path: Path, capsys, content: bytes,
+                                                                     message: str) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_bytes(content)
+    code, _ = replay(tmp_path, "--trace", str(path))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"kvfleet bench autoscale: error: {path}") and message in err, err
+    assert "Traceback" not in err
+
+
+def test_the_installed_command_reports_a_bad_trace_without_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text("t,prompt_tokens,output_tokens,priority\n1,5,5,urgent\n")
+    out = subprocess.run([sys.executable, "-m", "kvfleet.cli", "bench", "autoscale", "--trace", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "line 2: priority is 'urgent'" in out.stderr and "Traceback" not in out.stderr
+    missing = subprocess.run([sys.executable, "-m", "kvfleet.cli", "bench", "autoscale", "--trace",
+                              str(tmp_path / "nope.csv")], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "cannot read it" in missing.stderr
+
+
+def test_a_gigantic_trace_is_streamed_and_refused_past_the_row_limit() -> None:
+    class Endless(io.RawIOBase):
+        """A header, then rows without end: reading must stop at the limit, not at the end of the file."""
+
+        def __init__(self) -> None:
+            self.data, self.rows = b"t,prompt_tokens,output_tokens,priority\n", 0
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer) -> int:
+            while len(self.data) < len(buffer):
+                self.rows += 1
+                self.data += f"{self.rows},100,64,standard\n".encode()
+            buffer[:], self.data = self.data[:len(buffer)], self.data[len(buffer):]
+            return len(buffer)
+
+    with pytest.raises(TraceError, match="endless line 1002: more than 1,000 requests; replay a part of the trace"):
+        parse_csv(Endless(), "endless", max_rows=1000)
+
+
+def test_every_policy_runs_and_the_json_has_the_documented_shape(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    write_csv(spike(seed=1, duration_s=600, base_rps=1.0, factor=1.5, spike_s=60), path)  # light: some meet the SLOs
+    code, results = replay(tmp_path, "--trace", str(path), "--cold-start", "20", "--attainment", "critical=0.98")
+    assert code == 0 and list(results) == ["kvfleet", "keda-queue", "hpa-kv", "kpa", "oracle"]
+    for result in results.values():
+        assert set(result["slo_attainment"]) == set(result["shed"]) == set(CLASSES)
+        assert all(0 <= v <= 1 for v in result["slo_attainment"].values())
+        assert result["replica_seconds"] > 0 and all(isinstance(n, int) for n in result["shed"].values())
+        assert result["settings"]["engine"]["cold_start_s"] == 20
+        assert sum(result["requests"].values()) == sum(results["oracle"]["requests"].values())
+    oracle = results["oracle"]
+    targets = oracle["settings"]["attainment_target"]
+    assert oracle["meets_targets"] and all(oracle["slo_attainment"][c] >= targets[c] for c in CLASSES)
+    meeting = [name for name, r in results.items() if all(r["slo_attainment"][c] >= targets[c] for c in CLASSES)]
+    assert len(meeting) > 1, results  # the comparison below is not empty
+    assert all(oracle["replica_seconds"] <= results[name]["replica_seconds"] for name in meeting)
+    assert oracle["work_bound_replica_seconds"] <= oracle["replica_seconds"]
+
+
+def test_a_workload_round_trips_through_csv_to_the_same_result(tmp_path: Path) -> None:
+    path = tmp_path / "spike.csv"
+    write_csv(WORKLOADS["spike"](3), path)
+    assert read_csv(path) == WORKLOADS["spike"](3)
+    policies = ["--policy", "kvfleet", "--policy", "kpa"]
+    _, direct = replay(tmp_path, "--workload", "spike", "--seed", "3", *policies)
+    _, from_csv = replay(tmp_path, "--trace", str(path), *policies)
+    for result in (*direct.values(), *from_csv.values()):
+        result.pop("wall_s")
+    assert direct == from_csv
+
+
+def test_slo_flags_and_unknown_settings_are_checked(tmp_path: Path, capsys) -> None:
+    code, _ = replay(tmp_path, "--workload", "spike", "--slo", "critical=fast")
+    assert code == 2 and "--slo: 'critical=fast' is not CLASS=NUMBER" in capsys.readouterr().err
+    code, _ = replay(tmp_path, "--workload", "spike", "--attainment", "standard=1.5")
+    assert code == 2 and "attainment target of standard must be between 0 and 1" in capsys.readouterr().err
+    code, _ = replay(tmp_path)
+    assert code == 2 and "give --trace FILE (a CSV) or --workload NAME" in capsys.readouterr().err
+    assert main(["bench", "autoscale", "--list-workloads"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in WORKLOADS)
+
+
+def test_bundled_workloads_are_seeded_and_mix_the_classes() -> None:
+    for name, make in WORKLOADS.items():
+        trace: Trace = make(0)
+        assert trace == make(0) and trace.rows != make(1).rows, name
+        assert all(trace.count(p) > 0.1 * len(trace.rows) for p in Priority), name
