@@ -201,10 +201,14 @@ class Arm:
     replicas: int
     kill: bool
     tenants: tuple[str, ...] = ("A", "B", "C")
+    flags: tuple[str, ...] = ()  # the arm's own gateway flags
 
 
-ARMS = {"fcfs": Arm("fcfs", 2, True), "fair": Arm("fair", 2, True), "fair-1-replica": Arm("fair", 1, False),
-        "alone": Arm("fair", 2, False, ("B", "C"))}
+# fair-fifo-engines: the fair queue without the engine priority it gives tenants under their share (all requests
+# here are standard, so --no-forward-priority turns off only that): what the engines' own FIFO queues undo
+ARMS = {"fcfs": Arm("fcfs", 2, True), "fair": Arm("fair", 2, True),
+        "fair-fifo-engines": Arm("fair", 2, True, flags=("--no-forward-priority",)),
+        "fair-1-replica": Arm("fair", 1, False), "alone": Arm("fair", 2, False, ("B", "C"))}
 LIGHT = ("B", "C")
 
 
@@ -215,7 +219,7 @@ def start_replicas(fleet: BenchFleet, arm: Arm, name: str, extra: list[str]) -> 
         port = free_port()
         args = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--fleet", name, "--data-plane", "python",
                 "--queue-policy", arm.policy, "--redis-url", fleet.redis.url,
-                *(f for e in fleet.engines for f in ("--engine", e.url)), *extra]
+                *(f for e in fleet.engines for f in ("--engine", e.url)), *arm.flags, *extra]
         gateways.append(spawn(f"gateway-{name}-{i}", args, f"http://127.0.0.1:{port}", fleet.log_dir))
     try:
         for g in gateways:

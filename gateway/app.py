@@ -43,6 +43,7 @@ from kvfleet.gateway.scraper import Scraper
 from kvfleet.gateway.strategies import PREFIX_STRATEGIES
 from kvfleet.gateway.tenant_limits import TenantInFlight
 from kvfleet.gateway.tenant_metrics import TenantMetrics
+from kvfleet.gateway.tenant_share import InFlightShares
 from kvfleet.gateway.usage import Settlement, ask_stream_usage, request_cost
 
 log = logging.getLogger("kvfleet.gateway")
@@ -78,6 +79,7 @@ class Gateway:
     keys: object | None = None  # gateway.auth.ApiKeyStore when API keys are on
     limiter: object | None = None  # gateway.rate_limit.RateLimiter when per-key limits are on
     in_flight: TenantInFlight | None = None  # tenants' admitted, unfinished requests (their max_inflight caps)
+    shares: InFlightShares = field(default_factory=InFlightShares)  # this replica's, for the engines' priority
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _release_task: asyncio.Task | None = None
     tenant_metrics: TenantMetrics = field(init=False)
@@ -227,8 +229,11 @@ class Gateway:
         settlement = await self._limit(key, body, share)
         settlement = self.tenant_metrics.counted(tenant.name, settlement, body)  # served tokens, whatever the policy
         # the trust rule (kvfleet.fleet.priority): a body's priority reaches the engine only from a trusted key
+        under_share = self.config.queue_policy == "fair" and self.shares.under_share(tenant.name)
         engine_priority = forwarded_engine_priority(priority, body.get("priority"),
-                                                    getattr(key, "allow_priority", False), self.config.forward_priority)
+                                                    getattr(key, "allow_priority", False),
+                                                    self.config.forward_priority, under_share)
+        settlement.when_finished(self.shares.start(tenant.name))
         changed = engine_priority != body.get("priority")
         if changed and engine_priority is None:
             del body["priority"]

@@ -39,8 +39,37 @@ def test_a_body_priority_is_kept_only_for_a_trusted_key(priority: Priority) -> N
 
 
 def test_otherwise_the_engine_priority_comes_from_the_class_when_forwarded() -> None:
-    assert forwarded_engine_priority(Priority.CRITICAL, None, key_may_set=False, forward=True) == -1
-    assert forwarded_engine_priority(Priority.CRITICAL, None, key_may_set=True, forward=True) == -1
+    assert forwarded_engine_priority(Priority.CRITICAL, None, key_may_set=False, forward=True) == -2
+    assert forwarded_engine_priority(Priority.CRITICAL, None, key_may_set=True, forward=True) == -2
     assert forwarded_engine_priority(Priority.STANDARD, None, key_may_set=False, forward=True) is None
     assert forwarded_engine_priority(Priority.SHEDDABLE, 5, key_may_set=False, forward=True) is None
     assert forwarded_engine_priority(Priority.CRITICAL, 5, key_may_set=False, forward=False) is None
+
+
+def test_a_standard_request_under_its_tenants_share_goes_ahead_of_its_class_but_behind_critical() -> None:
+    from kvfleet.fleet.priority import UNDER_SHARE_ENGINE_PRIORITY
+    boosted = forwarded_engine_priority(Priority.STANDARD, None, key_may_set=False, forward=True, under_share=True)
+    assert boosted == UNDER_SHARE_ENGINE_PRIORITY
+    assert engine_priority(Priority.CRITICAL) < boosted < ENGINE_DEFAULT_PRIORITY
+    assert forwarded_engine_priority(Priority.SHEDDABLE, None, False, True, under_share=True) is None
+    assert forwarded_engine_priority(Priority.CRITICAL, None, False, True, under_share=True) == -2
+    assert forwarded_engine_priority(Priority.STANDARD, None, False, forward=False, under_share=True) is None
+    assert forwarded_engine_priority(Priority.STANDARD, 7, True, True, under_share=True) == 7  # a trusted key's own
+
+
+def test_a_tenant_is_under_its_share_while_it_holds_fewer_in_flight_than_an_equal_split() -> None:
+    from kvfleet.gateway.tenant_share import InFlightShares
+    shares = InFlightShares()
+    assert not shares.under_share("a")  # nothing in flight: nobody to go ahead of
+    flood = [shares.start("flood") for _ in range(6)]
+    assert shares.under_share("light") and not shares.under_share("flood")
+    light = shares.start("light")
+    assert shares.under_share("light")  # 1 of 7 with two tenants in flight
+    ends = [shares.start("light") for _ in range(3)]
+    assert shares.under_share("light")  # 4 of 10: still under an equal 5
+    ends.append(shares.start("light"))
+    ends.append(shares.start("light"))
+    assert not shares.under_share("light") and not shares.under_share("flood")  # 6 and 6: equal
+    for end in [*flood, *ends, light, light]:  # ending twice counts once
+        end()
+    assert not shares.under_share("flood") and not shares.under_share("light")

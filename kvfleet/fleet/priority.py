@@ -36,8 +36,12 @@ DEFAULT_PRIORITY = Priority.STANDARD
 ENGINE_DEFAULT_PRIORITY = 0  # what an engine assumes when a body has no `priority`
 # Sheddable work an engine has accepted is not pushed back there: engines order strictly by priority, without the
 # gateway queue's aging, so it could starve behind a steady stream.
-_ENGINE_PRIORITY = {Priority.CRITICAL: -1, Priority.STANDARD: ENGINE_DEFAULT_PRIORITY,
+_ENGINE_PRIORITY = {Priority.CRITICAL: -2, Priority.STANDARD: ENGINE_DEFAULT_PRIORITY,
                     Priority.SHEDDABLE: ENGINE_DEFAULT_PRIORITY}
+# A standard request whose tenant holds less than an equal share of the requests in flight goes ahead of the rest of
+# its class inside the engines too (behind critical): the engines' queues and preemption then keep the tenants' fair
+# share (gateway/fair_order.py) instead of undoing it first come, first served.
+UNDER_SHARE_ENGINE_PRIORITY = -1
 
 
 def parse_priority(value: str | None) -> Priority:
@@ -56,14 +60,18 @@ def engine_priority(priority: Priority) -> int:
 
 
 def forwarded_engine_priority(priority: Priority, body_priority: int | None, key_may_set: bool,
-                              forward: bool) -> int | None:
+                              forward: bool, under_share: bool = False) -> int | None:
     """The `priority` the engine gets in the forwarded body, or None for none (the engine's default).
 
     `body_priority` is the client's body `priority` (None when absent), kept only when `key_may_set` (its API key
-    has allow_priority); otherwise, when `forward`, the class's engine priority if it differs from the default.
+    has allow_priority); otherwise, when `forward`, the class's engine priority if it differs from the default, or
+    for a standard request whose tenant is `under_share` (fewer requests in flight than an equal share),
+    UNDER_SHARE_ENGINE_PRIORITY.
     """
     if key_may_set and body_priority is not None:
         return body_priority
+    if forward and under_share and priority is Priority.STANDARD:
+        return UNDER_SHARE_ENGINE_PRIORITY
     if forward and engine_priority(priority) != ENGINE_DEFAULT_PRIORITY:
         return engine_priority(priority)
     return None
