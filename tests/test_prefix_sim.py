@@ -24,6 +24,7 @@ from bench.prefix_sim import (
     simulate,
     summarize,
 )
+from bench.prefix_sim.peers import SGLANG
 from bench.prefix_sim.report import herding_index
 
 CALIBRATION = Calibration(2000.0, {1: 0.01, 16: 0.02})
@@ -110,7 +111,7 @@ def test_cli_writes_table_json_and_chart(tmp_path: Path, monkeypatch: pytest.Mon
     report = json.loads((tmp_path / "prefix_sim.json").read_text())
     assert report["calibration"]["prefill_tokens_per_s"] == 3000
     runs = report["sweep"][0]["runs"]
-    assert set(runs) == set(POLICIES)
+    assert set(runs) == {*POLICIES, SGLANG}  # every kvfleet policy and the port of sglang-router's
     assert all(r["requests"] > 0 and r["ttft_p50_s"] is not None for r in runs.values())
     assert "| precise |" in (tmp_path / "prefix_sim.md").read_text()
     assert (tmp_path / "prefix_sim.png").stat().st_size > 0
