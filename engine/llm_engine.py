@@ -65,15 +65,20 @@ class LLMEngine:
         self.attention_backend = select_attention_backend(config.attention_backend, self.device)
         self.model_dir = resolve_model(config.model)
         self.model_name = config.model
+        self.startup_s: dict[str, float] = {}  # seconds of each start-up phase (kvfleet_startup_seconds)
+        started = time.perf_counter()
         self.tokenizer = Tokenizer(self.model_dir)
+        self.startup_s["tokenizer"], started = time.perf_counter() - started, time.perf_counter()
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.model, self.backend = load_model(
             self.model_dir, self.model_config, config.block_size, self.max_model_len, self.dtype, self.device,
             self.attention_backend, show_progress,
         )
+        self.startup_s["weights"], started = time.perf_counter() - started, time.perf_counter()
         self.capacity = self._plan_kv_cache()
         self.backend.allocate_kv_cache(self.capacity.num_blocks)
+        self.startup_s["kv_cache"] = time.perf_counter() - started
         log.info("%s", self.capacity.describe())
         log.info("attention backend: %s", self.attention_backend)
         self.block_manager = BlockManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -79,6 +79,13 @@ class EngineMetrics:
         self.step = Histogram(names.STEP_SECONDS, "time of one engine step", buckets=LATENCY_BUCKETS, registry=r)
         for reason in ("queue_full", "invalid", "draining"):
             self.rejected.labels(reason)
+        self.startup = Gauge(names.STARTUP_SECONDS, "seconds of each start-up phase, process start to ready",
+                             ["phase"], registry=r)
+
+    def set_startup(self, seconds: dict[str, float]) -> None:
+        for phase in names.STARTUP_PHASES:
+            if phase in seconds:
+                self.startup.labels(phase).set(seconds[phase])
 
     def observe_step(self, batch_size: int, seconds: float) -> None:
         if batch_size:

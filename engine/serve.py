@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
+import time
+from pathlib import Path
 
 import uvicorn
 
@@ -18,17 +21,24 @@ from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.fleet.http_server import server_config
 
 log = logging.getLogger("kvfleet.engine")
+_IMPORTED_AT = time.time()
 
 
 def _load(config: EngineConfig, state: ServerState, server: uvicorn.Server, url: str, failure: list,
-          log_prompts: bool) -> None:
+          log_prompts: bool, imports_s: float) -> None:
     try:
         engine = LLMEngine(config)
         if config.kv_events and config.enable_prefix_caching:
             engine.block_manager.events = []  # from the warm-up on, so the first subscriber's snapshot is whole
         # Warm-up: one batch through the model before /ready says yes.
+        warming = time.perf_counter()
         engine.generate([[engine.tokenizer.bos_token_id or 0] * 8],
                         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        startup = {"imports": imports_s, **engine.startup_s, "warmup": time.perf_counter() - warming,
+                   "total": time.time() - _process_started()}
+        state.metrics.set_startup(startup)
+        log.info("started in %.1f s: %s", startup["total"],
+                 ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in startup.items() if phase != "total"))
         # the prompt-length bound scans the vocabulary once: here, not on the first request
         log.info("prompts over %d characters are refused before tokenizing",
                  max_prompt_chars(engine.max_model_len, engine.tokenizer.max_token_chars))
@@ -40,6 +50,18 @@ def _load(config: EngineConfig, state: ServerState, server: uvicorn.Server, url:
     hub = state.kv_events if engine.block_manager.events is not None else None
     state.engine = AsyncEngine(engine, state.metrics, log_prompts, hub)
     print(f"kvfleet engine ready: {url} (model {state.model_name})", file=sys.stderr, flush=True)
+
+
+def _process_started() -> float:
+    """When this process started (epoch seconds): from /proc on Linux, else when this module was imported (after
+    the interpreter and most imports: an undercount)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
 
 
 class DrainingServer(uvicorn.Server):
@@ -72,8 +94,9 @@ def serve(config: EngineConfig, host: str, port: int, served_model_name: str | N
     app = build_app(state, api_key=config.api_key)
     server = DrainingServer(server_config(app, host, port, drain_timeout), state)
     failure: list = []
-    loader = threading.Thread(target=_load, args=(config, state, server, f"http://{host}:{port}", failure, log_prompts),
-                              name="kvfleet-loader", daemon=True)
+    imports_s = time.time() - _process_started()  # the interpreter, torch and the server's modules
+    loader = threading.Thread(target=_load, args=(config, state, server, f"http://{host}:{port}", failure, log_prompts,
+                                                  imports_s), name="kvfleet-loader", daemon=True)
     loader.start()
     server.run()
     if state.engine is not None:

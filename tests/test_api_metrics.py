@@ -105,3 +105,16 @@ def test_metrics_can_be_restricted_to_named_ones_for_frequent_scrapes(base: str)
                      "kvfleet_request_slot_seconds"}
     assert parse_engine_load(text).max_num_seqs == 128  # the engine default
     assert len(text) < len(httpx.get(f"{base}/metrics").text) / 5
+
+
+def test_the_start_up_split_is_exported_once_the_engine_is_ready(base: str) -> None:
+    """Where the engine's cold start went (the autoscaler's cold start, measured): every phase, each within the
+    process's life, the phases adding up to about the total."""
+    values = scrape(base)
+    phases = {p: values.get(f"kvfleet_startup_seconds[('phase', '{p}')]")
+              for p in ("imports", "tokenizer", "weights", "kv_cache", "warmup", "total")}
+    assert all(v is not None and v >= 0 for v in phases.values()), phases
+    total = phases.pop("total")
+    assert 0 < sum(phases.values()) <= total + 0.5, (phases, total)
+    assert phases["imports"] > 0 and phases["weights"] > 0
+    assert total < 600

@@ -40,6 +40,10 @@ PREFIX_CACHE_QUERIES = "kvfleet_prefix_cache_queries"
 PREFIX_CACHE_HITS = "kvfleet_prefix_cache_hits"
 REQUESTS_REJECTED = "kvfleet_requests_rejected"  # label `reason`
 REQUEST_IGNORED_FIELDS = "kvfleet_request_ignored_fields"
+# Where a cold start goes (label `phase`, STARTUP_PHASES), set once when the engine turns ready: the autoscaler's
+# cold start, measured instead of assumed.
+STARTUP_SECONDS = "kvfleet_startup_seconds"
+STARTUP_PHASES = ("imports", "tokenizer", "weights", "kv_cache", "warmup", "total")  # total: process start to ready
 
 # Histograms.
 TIME_TO_FIRST_TOKEN = "kvfleet_time_to_first_token_seconds"
