@@ -23,6 +23,9 @@ from kvfleet.gateway.queue_order import QueueEntry
 
 QUEUE_POLICIES = ("fair", "fcfs")
 MAX_IDLE_TENANTS = 10_000  # per band: counters of tenants with nothing queued (clients choose tenant names)
+# `ahead` visits each other queued tenant of a band up to this many; beyond it (tenant names are the client's to
+# choose, and a visit per tenant on every enqueue would let a flood of names load Redis) it takes a bound instead
+TENANTS_VISITED = 64
 
 
 @dataclass
@@ -97,7 +100,8 @@ class FairOrder:
         """About how many queued entries go before `entry` (not queued yet; ties left out): under fcfs those with a
         lower score; under fair every entry of the bands above, its tenant's own with earlier deadlines (k), and of
         each other tenant in its band at most k + 1 (as if tenants took turns one request at a time: weights and
-        counters are left out, so a tenant far behind on service is served sooner than this says)."""
+        counters are left out, so a tenant far behind on service is served sooner than this says). With more than
+        TENANTS_VISITED other tenants, the smaller of their entries and (k + 1) per tenant."""
         if self.policy == "fcfs":
             return sum(1 for e in self.entries.values() if e.score < entry.score)
         above = sum(len(q) for p in Priority if p.rank < entry.priority.rank
@@ -105,7 +109,13 @@ class FairOrder:
         band = self.bands[entry.priority]
         own = band.queued.get(entry.tenant, [])
         k = bisect.bisect_left(own, (entry.deadline_ms, ""))  # strictly earlier deadlines
-        return above + k + sum(min(len(q), k + 1) for t, q in band.queued.items() if t != entry.tenant)
+        others = len(band.queued) - (entry.tenant in band.queued)
+        if k == 0:
+            return above + others
+        if others <= TENANTS_VISITED:
+            return above + k + sum(min(len(q), k + 1) for t, q in band.queued.items() if t != entry.tenant)
+        theirs = sum(len(q) for q in band.queued.values()) - len(own)
+        return above + k + min(theirs, (k + 1) * others)
 
     def queued_by(self, tenant: str) -> int:
         """The tenant's entries in every band."""

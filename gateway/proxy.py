@@ -12,7 +12,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -188,13 +188,26 @@ class Forwarder:
             if on_tokens is not None:
                 on_tokens(answer_usage(response.status_code, content))
             return _passthrough(response, content, upstream.url)
-        return StreamingResponse(self._stream(upstream, on_tokens), status_code=response.status_code,
-                                 headers=_returned(response, upstream.url), media_type="text/event-stream")
-
-    async def _stream(self, upstream: Upstream, on_tokens: Settlement | None) -> AsyncIterator[bytes]:
-        ok, tail = True, b""
         # Counts the answer's tokens from the engine's usage chunk, hidden again if only the gateway asked for it.
         meter = StreamUsageMeter(on_tokens.hide_stream_usage) if on_tokens is not None else None
+        ended = False
+
+        async def end(ok: bool | None) -> None:
+            """Once: the engine's connection closed, its answer counted, the request settled with what was relayed."""
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            await upstream.response.aclose()
+            self._done(upstream.url, ok)
+            if on_tokens is not None:
+                on_tokens(meter.usage)
+        return RelayedStream(self._stream(upstream, meter, end), lambda: end(None), status_code=response.status_code,
+                             headers=_returned(response, upstream.url), media_type="text/event-stream")
+
+    async def _stream(self, upstream: Upstream, meter: StreamUsageMeter | None,
+                      end: Callable[[bool | None], Awaitable[None]]) -> AsyncIterator[bytes]:
+        ok, tail = True, b""
         idle_s = self.config.upstream_idle_timeout_s
         chunks = upstream.response.aiter_raw()
         try:
@@ -227,10 +240,24 @@ class Forwarder:
             yield sse_error_event(f"the engine serving this request failed mid-stream ({type(err).__name__}); "
                                   "the output above is incomplete")
         finally:
-            await upstream.response.aclose()
-            self._done(upstream.url, ok)
-            if on_tokens is not None:
-                on_tokens(meter.usage)
+            await end(ok)
+
+
+class RelayedStream(StreamingResponse):
+    """A relayed stream whose end runs however the response ends: a client that leaves before the headers go out
+    never starts the stream, and an async generator that never ran has no `finally` to run, which would leave the
+    engine's connection open, its in-flight count up and the request's settlement (its tokens, its tenant's in-flight
+    slot) never made."""
+
+    def __init__(self, content: AsyncIterator[bytes], end: Callable[[], Awaitable[None]], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._end = end
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - the ASGI signature
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._end()
 
 
 def _returned(response: httpx.Response, url: str) -> dict[str, str]:

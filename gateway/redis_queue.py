@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from kvfleet.fleet import redis_keys
 from kvfleet.fleet.priority import Priority
-from kvfleet.gateway.fair_order import MAX_IDLE_TENANTS
+from kvfleet.gateway.fair_order import MAX_IDLE_TENANTS, TENANTS_VISITED
 from kvfleet.gateway.queue_order import Placement, QueueEntry, Refusal
 from kvfleet.gateway.queue_wait import DRAIN_WINDOW_S
 
@@ -117,8 +117,16 @@ else
   end
   local k = redis.call('ZCOUNT', b.prefix .. tenant, '-inf', '(' .. deadline)
   ahead = ahead + k
-  for _, t in ipairs(redis.call('ZRANGE', b.active, 0, -1)) do
-    if t ~= tenant then ahead = ahead + math.min(redis.call('ZCARD', b.prefix .. t), k + 1) end
+  local others = redis.call('ZCARD', b.active) - (redis.call('ZSCORE', b.active, tenant) and 1 or 0)
+  if k == 0 then
+    ahead = ahead + others
+  elseif others <= tonumber(ARGV[A + 11]) then
+    for _, t in ipairs(redis.call('ZRANGE', b.active, 0, -1)) do
+      if t ~= tenant then ahead = ahead + math.min(redis.call('ZCARD', b.prefix .. t), k + 1) end
+    end
+  else  -- too many tenants to visit on every enqueue: a bound instead
+    local theirs = tonumber(redis.call('HGET', KEYS[3], prio) or '0') - redis.call('ZCARD', b.prefix .. tenant)
+    ahead = ahead + math.min(theirs, (k + 1) * others)
   end
 end
 if ahead > max_ahead then return {3, ahead} end
@@ -280,7 +288,8 @@ class RedisQueue:
         meta = f"{entry.owner}|{entry.priority.value}|{int(entry.deadline_ms)}|{float(entry.charge)!r}|{entry.tenant}"
         status, ahead = await self._run("enqueue", [
             entry.id, entry.score, meta, entry.priority.value, cap, entry.tenant, repr(float(entry.deadline_ms)),
-            -1 if tenant_cap is None else tenant_cap, NO_BOUND if max_ahead is None else max_ahead, self.policy])
+            -1 if tenant_cap is None else tenant_cap, NO_BOUND if max_ahead is None else max_ahead, self.policy,
+            TENANTS_VISITED])
         return Placement(PLACED[int(status)], int(ahead))
 
     async def remove(self, entry_id: str) -> bool:

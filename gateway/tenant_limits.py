@@ -89,10 +89,6 @@ class TenantInFlight:
         self._held[slot.id] = slot
         return slot
 
-    def in_flight(self, tenant: str) -> int:
-        """This replica's admitted requests of the tenant."""
-        return sum(1 for s in self._held.values() if s.tenant == tenant)
-
     def retry_after_s(self, cap: int) -> int:
         """When one of a tenant's `cap` unfinished requests will likely have ended: a request's usual time in the
         gateway, over the cap; whole seconds, at least 1."""

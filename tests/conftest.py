@@ -93,6 +93,24 @@ def start_engine_server(model_dir: Path, *extra: str, timeout: float = 180.0):
     return _start_server(_engine_args(model_dir, port, extra), port, "engine", timeout)
 
 
+def one_sequence_engine_fixtures():
+    """A module's fixtures `engine` (a tiny-model engine that runs one sequence at a time, so two requests saturate
+    it) and `model` (the name it serves): `engine, model = one_sequence_engine_fixtures()` at a module's top."""
+    @pytest.fixture(scope="module", name="engine")
+    def engine_fixture(tiny_model_dir):
+        proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "1", "--max-model-len", "1024",
+                                        "--kv-cache-memory", "32MiB")
+        yield url
+        stop_process(proc)
+
+    @pytest.fixture(scope="module", name="model")
+    def model_fixture(engine: str) -> str:
+        import httpx
+
+        return httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
+    return engine_fixture, model_fixture
+
+
 def start_engine_servers(model_dir: Path, *extras: tuple[str, ...], timeout: float = 180.0):
     """Several engines started side by side (they load at the same time); returns [(process, URL), ...]."""
     started = []

@@ -188,3 +188,29 @@ def test_the_redis_scripts_and_the_in_process_policy_agree_step_by_step(redis_se
         assert await client.zcard(redis_keys.queue_key("eq")) == len(local) == len(queued)
         await client.aclose()
     asyncio.run(scenario())
+
+
+def test_with_more_tenants_than_are_visited_both_queues_estimate_the_wait_with_the_same_bound(redis_server) -> None:
+    """Tenant names are the client's to choose: past TENANTS_VISITED other tenants, an enqueue no longer visits each
+    of them (in Redis, on every enqueue), and both queues take the same bound."""
+    from kvfleet.gateway.fair_order import TENANTS_VISITED
+
+    async def scenario() -> None:
+        client = Redis.from_url(redis_server.url)
+        remote, local = RedisQueue(client, "many", "gw"), LocalQueue("fair")
+        await remote.heartbeat(60_000)
+        n = 0
+        for i in range(TENANTS_VISITED + 6):
+            for _ in range(1 + i % 3):  # 1 to 3 entries each
+                n += 1
+                entry = QueueEntry(f"e{n}", S, float(n), 1e12, "gw", f"t{i}", 1.0)
+                assert (await remote.place(entry, 1 << 30)).queued and local.place(entry, None).queued
+        own = [QueueEntry(f"own{j}", S, 5000.0 + j, 1e12 + j, "gw", "me", 1.0) for j in range(3)]
+        for entry in own[:2]:
+            assert await remote.place(entry, 1 << 30) == local.place(entry, None)
+        placed = await remote.place(own[2], 1 << 30)
+        assert placed == local.place(own[2], None)
+        others = TENANTS_VISITED + 6
+        assert placed.ahead == 2 + min(n, 3 * others)  # its own two, then the bound: every other entry here
+        await client.aclose()
+    asyncio.run(scenario())

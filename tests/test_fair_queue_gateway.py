@@ -7,29 +7,17 @@ from __future__ import annotations
 import threading
 
 import httpx
-import pytest
 import redis
 
 from kvfleet.fleet.redis_keys import queue_band_idle_key, queue_key
-from tests.conftest import start_engine_server, start_gateway, stop_process
+from tests.conftest import one_sequence_engine_fixtures, start_gateway, stop_process
 from tests.test_gateway_proxy import wait_until_routable
 from tests.test_gateway_queueing import saturated, send, until
 
+engine, model = one_sequence_engine_fixtures()
+
 TENANT = "x-kvfleet-tenant"
 FLOOD = 10
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "1", "--max-model-len", "1024",
-                                    "--kv-cache-memory", "32MiB")
-    yield url
-    stop_process(proc)
-
-
-@pytest.fixture(scope="module")
-def model(engine: str) -> str:
-    return httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
 
 
 def gateway(engine: str, redis_url: str, fleet: str, *extra: str):

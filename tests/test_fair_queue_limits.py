@@ -10,28 +10,16 @@ import threading
 import time
 
 import httpx
-import pytest
 import redis
 
 from kvfleet.fleet.redis_keys import queue_key, tenant_inflight_key
-from tests.conftest import start_engine_server, start_gateway, stop_process
+from tests.conftest import one_sequence_engine_fixtures, start_gateway, stop_process
 from tests.test_gateway_proxy import wait_until_routable
 from tests.test_gateway_queueing import saturated, send, until
 
+engine, model = one_sequence_engine_fixtures()
+
 TENANT, MAX_QUEUE_MS = "x-kvfleet-tenant", "x-kvfleet-max-queue-ms"
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "1", "--max-model-len", "1024",
-                                    "--kv-cache-memory", "32MiB")
-    yield url
-    stop_process(proc)
-
-
-@pytest.fixture(scope="module")
-def model(engine: str) -> str:
-    return httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
 
 
 def gateway(engine: str, redis_url: str, fleet: str, *extra: str):

@@ -145,3 +145,41 @@ def test_ready_and_metrics_describe_the_fleet(gateway: str, model: str) -> None:
     assert "kvfleet_gateway_redis_up 1.0" in text
     assert 'kvfleet_gateway_endpoints{state="available"} 1.0' in text
     assert "kvfleet_gateway_scrape_age_seconds{endpoint=" in text
+
+
+def test_a_relayed_stream_ends_once_even_when_the_client_left_before_it_started() -> None:
+    """The engine's connection, its in-flight count and the request's settlement (its tokens, its tenant's slot)
+    are closed however the response ends: also when sending the headers fails, so the stream never starts."""
+    import asyncio
+
+    from starlette.requests import ClientDisconnect
+
+    from kvfleet.gateway.proxy import RelayedStream
+
+    async def scenario() -> tuple[int, int]:
+        ends, started = [], []
+
+        async def body():
+            started.append(1)
+            yield b"data: x\n\n"
+
+        async def end() -> None:
+            ends.append(1)
+
+        async def receive() -> dict:
+            await asyncio.sleep(10)
+            return {"type": "http.disconnect"}
+
+        async def gone(message: dict) -> None:
+            raise OSError("the client went away")
+
+        with pytest.raises(ClientDisconnect):  # what Starlette makes of a send that fails
+            await RelayedStream(body(), end)({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, gone)
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+        await RelayedStream(body(), end)({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+        return len(ends), len(started)
+    assert asyncio.run(scenario()) == (2, 1)  # ended both times; the first never started

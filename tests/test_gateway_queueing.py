@@ -14,24 +14,14 @@ import pytest
 import redis
 
 from kvfleet.fleet.redis_keys import queue_key
-from tests.conftest import start_engine_server, start_gateway, stop_process
+from tests.conftest import one_sequence_engine_fixtures, start_gateway, stop_process
 from tests.test_gateway_live_routing import hold_stream, waiting
 from tests.test_gateway_proxy import wait_until_routable
 
 FLEET = "queueing"
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "1", "--max-model-len", "1024",
-                                    "--kv-cache-memory", "32MiB")
-    yield url
-    stop_process(proc)
-
-
-@pytest.fixture(scope="module")
-def model(engine: str) -> str:
-    return httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
+engine, model = one_sequence_engine_fixtures()
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,11 @@ from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.tenant_metrics import OTHER, REFRESH_S, TenantLabels, TenantMetrics
 from kvfleet.gateway.usage import Settlement, Usage, request_cost
-from tests.conftest import start_engine_server, start_gateway, stop_process
+from tests.conftest import one_sequence_engine_fixtures, start_gateway, stop_process
 from tests.test_gateway_proxy import wait_until_routable
 from tests.test_gateway_queueing import saturated, send, until
+
+engine, model = one_sequence_engine_fixtures()
 
 TENANT = "x-kvfleet-tenant"
 
@@ -199,19 +201,6 @@ def test_the_flag_is_checked_with_a_message_that_says_what_to_write() -> None:
 
 
 # ---- a real gateway ---------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "1", "--max-model-len", "1024",
-                                    "--kv-cache-memory", "32MiB")
-    yield url
-    stop_process(proc)
-
-
-@pytest.fixture(scope="module")
-def model(engine: str) -> str:
-    return httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
-
 
 def complete(url: str, model: str, tenant: str, priority: str = "standard") -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": tenant, "max_tokens": 2},
