@@ -12,6 +12,7 @@ import torch
 
 from kvfleet.engine.attention_select import select_attention_backend
 from kvfleet.engine.block_manager import BlockManager
+from kvfleet.engine.capacity_fit import DecodeStepFit
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.kv_capacity import KVCapacity, plan_kv_cache
 from kvfleet.engine.model_config import ModelConfig
@@ -54,6 +55,7 @@ class EngineStats:
     prefill_tokens_pending: int = 0
     prefill_tokens_per_second: float = 0.0  # 0: not measured yet
     request_slot_seconds: float = 0.0  # 0: no request finished yet
+    decode_tokens_per_second_full_batch: float = 0.0  # 0: not measured at two batch sizes yet
 
 
 class LLMEngine:
@@ -98,6 +100,7 @@ class LLMEngine:
         self.prefill_tokens_pending = 0
         self.prefill_rate = 0.0
         self.slot_seconds = 0.0  # how long finished requests held a batch slot (a moving average)
+        self.decode_fit = DecodeStepFit(config.max_num_seqs)  # decode step time against batch size
 
     def _plan_kv_cache(self) -> KVCapacity:
         per_block = self.backend.bytes_per_block()
@@ -209,7 +212,10 @@ class LLMEngine:
                 outputs.append(state.make_output())
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
-        self._measure_prefill(plan, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._measure_prefill(plan, seconds)
+        if all(n == 1 for _, n in plan.scheduled):
+            self.decode_fit.add(len(plan.scheduled), seconds)
         return outputs
 
     def _measure_prefill(self, plan, seconds: float) -> None:  # noqa: ANN001 - scheduler.SchedulerOutput
@@ -314,6 +320,7 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_hits, max_num_seqs=self.config.max_num_seqs,
             prefill_tokens_pending=self.prefill_tokens_pending, prefill_tokens_per_second=self.prefill_rate,
             request_slot_seconds=self.slot_seconds,
+            decode_tokens_per_second_full_batch=self.decode_fit.tokens_per_s,
         )
 
     # --- offline use --------------------------------------------------------------------------

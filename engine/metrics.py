@@ -44,6 +44,10 @@ class _StatsCollector(Collector):
                                               stats.prefill_tokens_per_second),
             names.REQUEST_SLOT_SECONDS: ("seconds finished requests held a batch slot, first step to last (a moving "
                                          "average; 0 until one finishes)", stats.request_slot_seconds),
+            names.DECODE_TOKENS_PER_SECOND_FULL_BATCH: (
+                "decode tokens per second at a full batch (max_num_seqs), from a line fitted to recent decode step "
+                "times against batch size (0 until steps of two batch sizes)",
+                stats.decode_tokens_per_second_full_batch),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

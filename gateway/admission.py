@@ -23,9 +23,13 @@ class Verdict:
 
 
 def admit(priority: Priority, fleet_has_capacity: bool, queued_total: int, queued_in_class: int,
-          class_cap: int) -> Verdict:
-    """Route while there is room and nobody waits; otherwise queue, except sheddable traffic and full classes."""
+          class_cap: int, critical_has_room: bool = False) -> Verdict:
+    """Route while there is room and nobody waits; otherwise queue, except sheddable traffic and full classes.
+    A critical request also routes while an engine has room for it (routing.critical_room, --critical-first): the
+    engines run critical requests first, so holding it in the gateway behind a saturated fleet only delays it."""
     if fleet_has_capacity and queued_total == 0:
+        return Verdict(Action.ROUTE)
+    if priority is Priority.CRITICAL and critical_has_room:
         return Verdict(Action.ROUTE)
     if priority is Priority.SHEDDABLE:  # others waiting means the fleet is saturated too: sheddable never waits
         return Verdict(Action.SHED, "saturated", "every engine is saturated and sheddable requests are not queued; "

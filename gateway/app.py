@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -38,8 +39,9 @@ from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys, Tokenize
 from kvfleet.gateway.proxy import Forwarder
 from kvfleet.gateway.queue_order import Placement, Refusal
 from kvfleet.gateway.queue_wait import predicted_wait_s, retry_after_s
-from kvfleet.gateway.routing import available, free_slots
+from kvfleet.gateway.routing import available, critical_room, free_slots
 from kvfleet.gateway.scraper import Scraper
+from kvfleet.gateway.slo_counts import SloCounts
 from kvfleet.gateway.strategies import PREFIX_STRATEGIES
 from kvfleet.gateway.tenant_limits import TenantInFlight
 from kvfleet.gateway.tenant_metrics import TenantMetrics
@@ -83,9 +85,11 @@ class Gateway:
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _release_task: asyncio.Task | None = None
     tenant_metrics: TenantMetrics = field(init=False)
+    slo_counts: SloCounts = field(init=False)  # per class, for the operator (Redis; none without it)
 
     def __post_init__(self) -> None:
         self.pool = EndpointPool(self.config.eject_after_failures, self.config.eject_seconds)
+        self.slo_counts = SloCounts(None, self.config.fleet)
         self.prefix = PrefixRouting(self.tokenize)
         self.tenant_metrics = TenantMetrics(self.metrics, self.config.tenant_metrics_top)
         # Envoy's modes: False until the endpoint picker listens (the app starts first: its startup starts what the
@@ -106,6 +110,8 @@ class Gateway:
         self.metrics.redis_up.set(1 if self.queue.using_redis else 0)
         self.in_flight = TenantInFlight(self.queue.client, c.fleet, c.gateway_id)
         self._tasks.append(asyncio.create_task(self.in_flight.renew_forever(), name="tenant in-flight leases"))
+        self.slo_counts.client = self.queue.client
+        self._tasks.append(asyncio.create_task(self.slo_counts.flush_forever(), name="SLO counts"))
         if self.keys is not None and self.limiter is None:
             from kvfleet.gateway.rate_limit import InProcessRateLimiter, RateLimiter
 
@@ -129,6 +135,7 @@ class Gateway:
             await self.kv_events.stop()
         if self.in_flight:
             await self.in_flight.stop()
+        await self.slo_counts.flush()  # the last second's counts
         if self.queue:
             await self.queue.stop()
         if self.client:
@@ -192,7 +199,8 @@ class Gateway:
         settlement = admitted.settlement
         try:
             response = await unless_client_leaves(request.receive, self.forwarder.forward(
-                path, admitted.body, request.headers.raw, request_id, admitted.hashes, on_tokens=settlement))
+                path, admitted.body, request.headers.raw, request_id, admitted.hashes, on_tokens=settlement,
+                critical=priority is Priority.CRITICAL))
         except BaseException as err:
             if settlement is not None and isinstance(err, APIError) and err.status == 499:
                 settlement.abandoned()  # the engine worked for a client that left: its count is unknown
@@ -213,6 +221,7 @@ class Gateway:
         with its wait in the fleet queue. APIError for a refusal or a shed; `on_queue(max_queue_ms)` is told
         before a wait in the queue. The body is read only once the headers pass. `stream_usage` False: nothing will
         read a stream's usage chunk (an Envoy without kvfleet's Lua filter), so the engine is not asked for it."""
+        arrived_at = time.monotonic()  # its time to first token counts from here
         max_queue_ms = self._max_queue_ms(request_headers.get(headers.MAX_QUEUE_MS))
         key = authenticate(self.keys, request_headers)
         tenant = request_tenant(key, request_headers, self.config.tenant_max_queued, self.config.tenant_max_inflight)
@@ -228,6 +237,8 @@ class Gateway:
             if self.config.queue_policy == "fair" else None
         settlement = await self._limit(key, body, share)
         settlement = self.tenant_metrics.counted(tenant.name, settlement, body)  # served tokens, whatever the policy
+        self.slo_counts.arrived(priority, settlement.cost.prompt)
+        settlement.when_answered(functools.partial(self.slo_counts.answered, priority, arrived_at))
         # the trust rule (kvfleet.fleet.priority): a body's priority reaches the engine only from a trusted key
         under_share = self.config.queue_policy == "fair" and self.shares.under_share(tenant.name)
         engine_priority = forwarded_engine_priority(priority, body.get("priority"),
@@ -245,10 +256,13 @@ class Gateway:
             raw = json.dumps(body).encode()
         try:
             await self._take_in_flight_slot(tenant, priority, settlement)
-            has_capacity = bool(available(self.pool.snapshots(), self.config.saturation))
+            snapshots = self.pool.snapshots()
+            has_capacity = bool(available(snapshots, self.config.saturation))
+            critical_has_room = (priority is Priority.CRITICAL and self.config.critical_first
+                                 and bool(critical_room(snapshots, self.config.saturation)))
             counts = self.queue.counts()
             verdict = admit(priority, has_capacity, sum(counts.values()), counts[priority],
-                            self.config.queue_caps[priority])
+                            self.config.queue_caps[priority], critical_has_room)
             if verdict.action is Action.SHED:
                 raise self._shed(priority, verdict.reason, verdict.message, tenant)
             if verdict.action is Action.QUEUE:
@@ -287,6 +301,7 @@ class Gateway:
         self.tenant_metrics.waited(tenant.name, waited)
         if outcome is Outcome.EXPIRED:
             self.metrics.shed.labels(priority.value, "deadline").inc()
+            self.slo_counts.shed(priority)
             self.tenant_metrics.shed(tenant.name, "deadline")
             raise APIError(503, f"the fleet stayed saturated for {max_queue_ms:.0f} ms, the longest this request "
                                 f"may wait ({headers.MAX_QUEUE_MS}); retry later", "service_unavailable",
@@ -301,6 +316,7 @@ class Gateway:
     def _shed(self, priority: Priority, reason: str, message: str, tenant: Tenant | None = None,
               retry_after: int | None = None) -> APIError:
         self.metrics.shed.labels(priority.value, reason).inc()
+        self.slo_counts.shed(priority)
         if tenant is not None:
             self.tenant_metrics.shed(tenant.name, reason)
         wait = self._retry_after() if retry_after is None else retry_after
@@ -323,6 +339,7 @@ class Gateway:
         wait, retry = predicted_wait_s(placement.ahead, rate), retry_after_s(placement.ahead, rate, max_queue_ms)
         reason = "deadline_predicted"
         self.metrics.shed.labels(priority.value, reason).inc()
+        self.slo_counts.shed(priority)
         self.tenant_metrics.shed(tenant.name, reason)
         return APIError(429 if priority is Priority.SHEDDABLE else 503,
                         f"about {wait:.1f} s of queued work is ahead of this request ({placement.ahead} requests, the "
@@ -375,7 +392,7 @@ class Gateway:
         snaps = self.pool.snapshots()
         body = {"status": "ready", "engines": len(snaps), "healthy": sum(e.healthy for e in snaps),
                 "available": len(available(snaps, self.config.saturation)), "queue": self.queue.backend,
-                "queued": self.queue.total()}
+                "queued": self.queue.total(), "critical_pending": sum(e.critical_pending for e in snaps)}
         if self.queue.redis_error:
             body["redis"] = self.queue.redis_error
         if self.picker_serving is False:

@@ -59,6 +59,7 @@ class GatewayConfig:
     envoy_endpoints_file: str | None = None  # envoy-sidecar: the EDS file this process writes and the Envoy reads
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     forward_priority: bool = True  # set the body's `priority` (vLLM semantics) from the class
+    critical_first: bool = True  # critical requests route past a saturated fleet while an engine has room for them
     api_keys_file: str | None = None
     api_keys_secret: str | None = None  # namespace/name of a Kubernetes Secret
     rpm_per_key: int | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvfleet.fleet.load import EngineLoad
@@ -20,6 +20,7 @@ class EndpointState:
     dispatched_since_scrape: int = 0
     dispatch_tokens: float = 0.0  # a moving average of the prompt tokens (not cached there) of requests sent to it
     open_requests: int = 0
+    critical_pending: int = 0  # critical requests sent to it whose answer has not started (EndpointPool.critical_sent)
     consecutive_failures: int = 0
     ejected_until: float = 0.0
     waits: dict[asyncio.Timeout, float] = field(default_factory=dict)  # waits on its answers -> loop time begun
@@ -101,6 +102,23 @@ class EndpointPool:
             state.dispatch_tokens = average_tokens(state.dispatch_tokens, tokens)
             state.open_requests += 1
 
+    def critical_sent(self, url: str) -> Callable[[], None]:
+        """A critical request sent to the engine: counted in its critical_pending until the returned call, which the
+        sender makes once the answer starts or the request ends without one (error, retry, client gone); calls
+        after the first do nothing, so a count can neither leak nor go twice."""
+        state = self.endpoints.get(url)
+        if state is None:
+            return nothing_counted
+        state.critical_pending += 1
+        counted = True
+
+        def started() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                state.critical_pending = max(0, state.critical_pending - 1)
+        return started
+
     def record_done(self, url: str, ok: bool | None, now: float | None = None) -> bool:
         """Returns True when this failure ejected the endpoint for its cool-off. ok None: an answer that says nothing
         about the engine's health (busy, or the request's own fault) neither counts nor clears failures."""
@@ -145,7 +163,7 @@ class EndpointPool:
                 prefill_tokens_pending=load.prefill_tokens_pending if load else 0,
                 prefill_rate=load.prefill_tokens_per_second if load else None,
                 in_flight_tokens=round(unseen(s) * s.dispatch_tokens),
-                slot_seconds=load.request_slot_seconds if load else None))
+                slot_seconds=load.request_slot_seconds if load else None, critical_pending=s.critical_pending))
         return out
 
 
@@ -162,3 +180,7 @@ def average_tokens(average: float, tokens: int) -> float:
     """The unseen requests' prompt tokens are estimated as their count (unseen) times this moving average: a busy
     engine reports new requests late, so the tokens sent since the last scrape undercount them as the count does."""
     return float(tokens) if average == 0.0 else 0.8 * average + 0.2 * tokens
+
+
+def nothing_counted() -> None:
+    """critical_sent's end for a request it did not count (not critical, or its engine left the pool)."""

@@ -49,15 +49,17 @@ def in_subset(address: str, subset: frozenset[str]) -> bool:
     return address in subset or address.rsplit(":", 1)[0].strip("[]") in subset
 
 
-def pick_destinations(forwarder: Forwarder, hashes: PromptKeys, subset: frozenset[str] | None = None) -> list[str]:
+def pick_destinations(forwarder: Forwarder, hashes: PromptKeys, subset: frozenset[str] | None = None,
+                      critical: bool = False) -> list[str]:
     """The engine the gateway's routing picks (unchanged), then the next best for Envoy's retry, all within the
     subset hint when the proxy sent one; empty when no healthy engine may serve. The request was admitted (the
     fleet had room, or it was released from the queue): a saturated engine is picked rather than none, as the
-    Python proxy does (requests admitted together can fill the fleet before their picks)."""
+    Python proxy does (requests admitted together can fill the fleet before their picks). `critical`: a critical
+    request, routed as Forwarder.choose routes one."""
     outside = frozenset()
     if subset is not None:
         outside = frozenset(url for url in forwarder.pool.urls() if not _address_in(url, subset))
-    chosen = forwarder.choose(hashes, outside, must=True)
+    chosen = forwarder.choose(hashes, outside, must=True, critical=critical)
     if chosen is None:
         return []
     urls = [chosen]

@@ -171,15 +171,19 @@ _FLAG_FIELDS = {"DC": "downstream_connection_termination", "DR": "downstream_rem
 
 
 def _settle(settlement: Settlement, status: int, client_left: bool, fields) -> None:
-    """The engine's count when the Lua filter found one in a success; else the Python proxy's rule for the outcome."""
+    """The engine's count when the Lua filter found one in a success; else the Python proxy's rule for the outcome.
+    The Lua filter's first token time (Envoy's wall clock, ms) becomes this process's monotonic time."""
     total = fields["total_tokens"].number_value if "total_tokens" in fields else None
+    completion = int(fields["completion_tokens"].number_value) if "completion_tokens" in fields else None
+    first_token_at = time.monotonic() - (time.time() - fields["first_token_ms"].number_value / 1000.0) \
+        if "first_token_ms" in fields else None
     if status and not 200 <= status < 300:
         settlement.refund()  # refused or failed: nothing was generated
     elif total is not None and total >= 0:
-        settlement(Usage(int(total)))
+        settlement(Usage(int(total), completion=completion, first_token_at=first_token_at))
     elif client_left:
         settlement.abandoned()  # the engine worked for a client that left: its count is unknown
-    elif status:
-        settlement(Usage(None, streamed_events=None))  # a success without a count: the whole reservation
+    elif status:  # a success without a count: the whole reservation
+        settlement(Usage(None, streamed_events=None, completion=completion, first_token_at=first_token_at))
     else:
         settlement.refund()  # no engine answered at all

@@ -5,8 +5,9 @@ The picker marks a request it needs the count of (a key with a tokens-per-minute
 metadata (namespace USAGE_NAMESPACE: `count_usage`, and `hide_usage` when the gateway itself asked the engine for
 the stream's usage chunk). For such a request the script looks at each response chunk as it passes, with a plain
 string search: the last `"usage": {...}` object (a stream's usage chunk, an answer's body) goes into the same
-metadata namespace as `total_tokens`, `prompt_tokens` and `completion_tokens`, which Envoy's access log carries
-to the picker (envoy_feed.py). With `hide_usage` the usage-only SSE event is left out of the client's stream, as
+metadata namespace as `total_tokens`, `prompt_tokens` and `completion_tokens`, and the time of the answer's
+first token event (`first_token_ms`, for the per-class counts: gateway/slo_counts.py), which Envoy's access log
+carries to the picker (envoy_feed.py). With `hide_usage` the usage-only SSE event is left out of the client's stream, as
 the Python proxy does (usage.py); to drop it whole, a partial event waits for its end in the next chunk (a stream
 cut mid-event loses that partial event). Other requests cost one metadata lookup per answer.
 """
@@ -46,6 +47,18 @@ local function note_usage(handle, text)
   end
 end
 
+-- Whether `text` holds an SSE event that carries a token: a chunk with choices, not the role announcement an
+-- engine sends before generating, nor a usage-only chunk (usage.is_token_event, the Python proxy's rule).
+local function has_token_event(text)
+  for event in string.gmatch(text, "data: {[^\n]*") do
+    if string.find(event, '"choices"', 1, true) ~= nil and string.find(event, '"role"', 1, true) == nil
+        and string.find(event, '"choices"%s*:%s*%[%s*%]') == nil then
+      return true
+    end
+  end
+  return false
+end
+
 local function is_usage_event(event)
   return string.sub(event, 1, 7) == "data: {" and string.find(event, '"usage"', 1, true) ~= nil
     and string.find(event, '"choices"%s*:%s*%[%s*%]') ~= nil
@@ -82,10 +95,17 @@ function envoy_on_response(handle)
     return
   end
   local content_type = handle:headers():get("content-type") or ""
-  local hide = flags["hide_usage"] == true and string.find(content_type, "text/event-stream", 1, true) ~= nil
-  local tail, held = "", ""
+  local stream = string.find(content_type, "text/event-stream", 1, true) ~= nil
+  local hide = flags["hide_usage"] == true and stream
+  local tail, held, first_token = "", "", false
   for chunk in handle:bodyChunks() do
     local data = chunk:getBytes(0, chunk:length())
+    -- the first token's time (ms since the epoch): a stream's first token event; an unstreamed answer's first
+    -- bytes, as its first token is not visible before the whole answer
+    if not first_token and (not stream or has_token_event(data)) then
+      first_token = true
+      handle:streamInfo():dynamicMetadata():set(NS, "first_token_ms", handle:timestamp())
+    end
     local window = tail .. data
     note_usage(handle, window)
     tail = string.sub(window, -TAIL_BYTES)

@@ -25,8 +25,9 @@ from google.protobuf.duration_pb2 import Duration
 
 from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
-from kvfleet.fleet.priority import DEFAULT_PRIORITY, parse_priority
+from kvfleet.fleet.priority import DEFAULT_PRIORITY, Priority, parse_priority
 from kvfleet.gateway.app import Gateway, request_id_from
+from kvfleet.gateway.endpoints import nothing_counted
 from kvfleet.gateway.envoy_config import PICKER_MARGIN_S
 from kvfleet.gateway.envoy_endpoints import pick_destinations
 from kvfleet.gateway.envoy_feed import EnvoyFeed
@@ -83,9 +84,14 @@ class EndpointPicker(ExternalProcessorServicer):
         # the picker ends the request: Envoy answers 503 if the engine had not answered yet, else resets the stream.
         silent = asyncio.timeout(None)
         self.gateway.pool.watch(url, silent)
+        # a critical request waits to start until the answer's headers come (a gateway that sends them to its
+        # picker), else, with our own Envoy's response_header_mode SKIP, until the request ends
+        started = self.gateway.pool.critical_sent(url) if priority is Priority.CRITICAL else nothing_counted
         try:
             async with silent:
                 while (message := await context.read()) is not grpc.aio.EOF:
+                    if message.HasField("response_headers"):
+                        started()
                     answer = answer_after_route(message, modes)
                     if answer is not None:
                         await context.write(answer)
@@ -94,6 +100,7 @@ class EndpointPicker(ExternalProcessorServicer):
         finally:
             self.gateway.pool.unwatch(url, silent)
             self.gateway.pool.record_done(url, None)
+            started()
 
     async def _decide(self, context: grpc.aio.ServicerContext, request_headers: Mapping[str, str],
                       priority, no_body: bool, subset: frozenset[str] | None = None, modes: Modes = OWN,
@@ -132,7 +139,7 @@ class EndpointPicker(ExternalProcessorServicer):
         path = request_headers.get(":path", "").split("?", 1)[0]
         admitted = await gateway.admit_request(path, request_headers, read_body, priority, is_disconnected, on_queue,
                                                stream_usage=self.feed is not None)
-        urls = pick_destinations(gateway.forwarder, admitted.hashes, subset)
+        urls = pick_destinations(gateway.forwarder, admitted.hashes, subset, priority is Priority.CRITICAL)
         url = urls[0] if urls else None  # the chosen engine; the rest are Envoy's fallbacks
         if url is None:
             if admitted.settlement is not None:

@@ -22,7 +22,7 @@ from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.headers import AUTHORIZATION, REQUEST_ID, RETRY_AFTER
 from kvfleet.fleet.headers import ENGINE as ENGINE_HEADER
 from kvfleet.gateway.config import GatewayConfig
-from kvfleet.gateway.endpoints import EndpointPool
+from kvfleet.gateway.endpoints import EndpointPool, nothing_counted
 from kvfleet.gateway.failure_class import AnswerClass, classify
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys
@@ -73,12 +73,15 @@ class Forwarder:
         self.rng = rng or random.Random()
         self._counter = 0
 
-    def choose(self, hashes: PromptKeys, exclude: frozenset[str] = frozenset(), must: bool = False) -> str | None:
+    def choose(self, hashes: PromptKeys, exclude: frozenset[str] = frozenset(), must: bool = False,
+               critical: bool = False) -> str | None:
+        """An engine for a request; `critical`: a critical request, which --critical-first routes past saturation."""
         self._counter += 1
         strategy = strategy_named(self.config.routing, self.config.weights, self.config.saturation)
         matches = self.prefix.matches(hashes)
         request = RoutingContext(matches, exclude, must, turn=self._counter, num_tokens=hashes.est_tokens)
-        chosen = pick(strategy, self.pool.snapshots(), request, self.rng)
+        critical_policy = self.config.saturation if critical and self.config.critical_first else None
+        chosen = pick(strategy, self.pool.snapshots(), request, self.rng, critical_policy)
         if chosen is None:
             return None
         self.metrics.labelled(self.metrics.routing_decisions, self.prefix.reason(matches, chosen.url)).inc()
@@ -86,9 +89,9 @@ class Forwarder:
 
     async def forward(self, path: str, raw_body: bytes, headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str],
                       request_id: str, hashes: PromptKeys,
-                      on_tokens: Settlement | None) -> Response:
+                      on_tokens: Settlement | None, critical: bool = False) -> Response:
         """Sends to the chosen engine; an engine fault or a busy answer is retried once elsewhere, an answer the
-        request caused (4xx, unmarked 5xx) is returned as it is."""
+        request caused (4xx, unmarked 5xx) is returned as it is. `critical`: a critical request (choose, _send)."""
         tried: set[str] = set()
         last_busy: tuple[str, httpx.Response, bytes] | None = None
         last_error = "no engine is available"
@@ -96,13 +99,13 @@ class Forwarder:
             # must: the request was admitted because the fleet had room (or released from the queue, or this is a
             # retry); requests admitted together can fill it before their picks, and then the least-loaded healthy
             # engine queues the request itself rather than the client getting 503 `no_engine`
-            url = self.choose(hashes, frozenset(tried), must=True)
+            url = self.choose(hashes, frozenset(tried), must=True, critical=critical)
             if url is None:
                 break
             tried.add(url)
             self.prefix.record(hashes, url)  # at dispatch: the next requests of its tenant follow before it answers
             upstream = await self._send(url, path, raw_body, headers, request_id,
-                                        self.prefix.uncached_tokens(hashes, url))
+                                        self.prefix.uncached_tokens(hashes, url), critical)
             if isinstance(upstream, str):
                 last_error = upstream
                 self.metrics.retries.labels("connect_error" if attempt == 0 else "gave_up").inc()
@@ -125,12 +128,15 @@ class Forwarder:
 
     async def _send(self, url: str, path: str, raw_body: bytes,
                     headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str,
-                    tokens: int = 0) -> Upstream | str:
+                    tokens: int = 0, critical: bool = False) -> Upstream | str:
+        """The engine's answer once its headers arrive (a kvfleet engine sends them with the first output), or why
+        none came. A critical request counts in the engine's critical_pending until then, whatever happens."""
         self.pool.record_dispatch(url, tokens)
         self.metrics.routed.labels(url).inc()
         sent_at = time.monotonic()
         request = self.client.build_request("POST", url + path, content=raw_body,
                                             headers=upstream_headers(headers, request_id, self.config.engine_api_key))
+        started = self.pool.critical_sent(url) if critical else nothing_counted
         try:
             async with self._bounded(url, self.config.upstream_first_byte_timeout_s):
                 response = await self.client.send(request, stream=True)
@@ -141,6 +147,8 @@ class Forwarder:
         except httpx.HTTPError as err:
             self._done(url, ok=False)
             return f"engine {url} failed: {type(err).__name__} {err}".strip()
+        finally:  # headers, a failure, or the client gone (cancelled): it no longer waits to start there
+            started()
         self.metrics.upstream_latency.labels(url).observe(time.monotonic() - sent_at)
         return Upstream(url, response, sent_at)
 
@@ -186,7 +194,7 @@ class Forwarder:
                 await response.aclose()
             self._done(upstream.url, ok=ok)
             if on_tokens is not None:
-                on_tokens(answer_usage(response.status_code, content))
+                on_tokens(answer_usage(response.status_code, content, time.monotonic()))
             return _passthrough(response, content, upstream.url)
         # Counts the answer's tokens from the engine's usage chunk, hidden again if only the gateway asked for it.
         meter = StreamUsageMeter(on_tokens.hide_stream_usage) if on_tokens is not None else None

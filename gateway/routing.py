@@ -30,6 +30,7 @@ class EndpointSnapshot:
     prefill_rate: float | None = None  # prompt tokens per second its steps compute; None: not known
     in_flight_tokens: int = 0  # prompt tokens of this gateway's dispatches since the scrape
     slot_seconds: float | None = None  # how long a request holds one of its batch slots; None: not known
+    critical_pending: int = 0  # critical requests this gateway sent that have not started there (no headers yet)
 
     @property
     def queue_depth(self) -> int:
@@ -154,11 +155,23 @@ class RoundRobin:
         return healthy[request.turn % len(healthy)] if healthy else None
 
 
+def critical_room(endpoints: Sequence[EndpointSnapshot], policy: SaturationPolicy) -> list[EndpointSnapshot]:
+    """Healthy endpoints with fresh metrics where a critical request would wait behind fewer than `policy.max_queue`
+    critical requests of this gateway's: engines run critical requests first (and preempt for them), so a saturated
+    engine still starts one soon; only critical requests it has not started are ahead of it (--critical-first)."""
+    return [e for e in endpoints if e.healthy and e.metrics_age_s <= policy.max_metrics_age_s
+            and e.critical_pending < policy.max_queue]
+
+
 def pick(strategy: Strategy, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
-         rng: random.Random) -> EndpointSnapshot | None:
-    """The strategy's choice among the endpoints not excluded. With request.must, a healthy endpoint is returned
-    even when all are saturated: the least loaded one."""
+         rng: random.Random, critical: SaturationPolicy | None = None) -> EndpointSnapshot | None:
+    """The strategy's choice among the endpoints not excluded. With `critical` (a critical request, --critical-first)
+    while none is available, the one with room for it (critical_room) with the fewest critical requests pending,
+    then the least loaded. With request.must, a healthy endpoint is returned even when all are saturated: the least
+    loaded one."""
     endpoints = [e for e in endpoints if e.url not in request.exclude]
+    if critical is not None and not available(endpoints, critical) and (room := critical_room(endpoints, critical)):
+        return min(room, key=lambda e: (e.critical_pending, outstanding(e), rng.random()))
     chosen = strategy.choose(endpoints, request, rng)
     if chosen is None and request.must:
         healthy = [e for e in endpoints if e.healthy]

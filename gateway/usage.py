@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Reserved per choice when a request names no max_tokens (the engine would allow up to its context length).
 DEFAULT_MAX_TOKENS = 1024
@@ -43,6 +44,11 @@ class Usage:
 
     total: int | None
     streamed_events: int | None = 0  # events seen: the fallback estimate of generated tokens; None: unknown
+    # For the per-class counts (slo_counts.py), outside equality: the reservation's accounting is total and events.
+    completion: int | None = field(default=None, compare=False)  # the engine's completion tokens, when it said
+    # time.monotonic() of the answer's first token: a stream's first token event, an unstreamed answer's arrival
+    # (its first token is not visible before the whole answer); None: no token came (an error, nothing relayed)
+    first_token_at: float | None = field(default=None, compare=False)
 
 
 def _positive_int(value: object, default: int) -> int:
@@ -99,17 +105,24 @@ def ask_stream_usage(body: dict) -> bool:
     return False  # the client asked for it already, or sent something the schema refuses
 
 
-def answer_usage(status: int, content: bytes) -> Usage:
-    """An unstreamed answer's usage: 0 for an error (nothing generated); unknown when a success carries none."""
+def answer_usage(status: int, content: bytes, received_at: float | None = None) -> Usage:
+    """An unstreamed answer's usage: 0 for an error (nothing generated); unknown when a success carries none.
+    `received_at`: when the answer arrived, its first token's time as far as the gateway can see."""
     if not 200 <= status < 300:
         return Usage(0)
     try:
-        total = json.loads(content).get("usage", {}).get("total_tokens")
+        usage = json.loads(content).get("usage", {})
+        total, completion = usage.get("total_tokens"), usage.get("completion_tokens")
     except (ValueError, AttributeError):
-        total = None
-    if isinstance(total, int) and not isinstance(total, bool) and total >= 0:
-        return Usage(total)
-    return Usage(None, streamed_events=None)
+        total = completion = None
+    completion = completion if _count(completion) else None
+    if _count(total):
+        return Usage(total, completion=completion, first_token_at=received_at)
+    return Usage(None, streamed_events=None, completion=completion, first_token_at=received_at)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class StreamUsageMeter:
@@ -118,12 +131,14 @@ class StreamUsageMeter:
     def __init__(self, hide_usage: bool):
         self.hide_usage = hide_usage
         self.total: int | None = None
+        self.completion: int | None = None
         self.events = 0
+        self.first_token_at: float | None = None
         self._pending = b""
 
     @property
     def usage(self) -> Usage:
-        return Usage(self.total, self.events)
+        return Usage(self.total, self.events, self.completion, self.first_token_at)
 
     def feed(self, chunk: bytes) -> bytes:
         """The bytes to pass on now: the complete events in `chunk` and before it, the usage chunk left out."""
@@ -149,6 +164,8 @@ class StreamUsageMeter:
         """Counts one event; True when it is a usage-only chunk to drop."""
         if not event.startswith(b"data: {"):
             return False
+        if self.first_token_at is None and is_token_event(event):
+            self.first_token_at = time.monotonic()
         if b'"usage"' not in event:
             self.events += 1
             return False
@@ -161,9 +178,18 @@ class StreamUsageMeter:
         total = usage.get("total_tokens") if isinstance(usage, dict) else None
         if isinstance(total, int) and not isinstance(total, bool) and total >= 0:
             self.total = total  # the last one wins (continuous usage stats are cumulative)
+            completion = usage.get("completion_tokens")
+            self.completion = completion if _count(completion) else self.completion
         else:
             self.events += 1
         return self.hide_usage and total is not None and chunk.get("choices") == []
+
+
+def is_token_event(event: bytes) -> bool:
+    """Whether an SSE event carries the answer's first token: a chunk with choices, not the role announcement
+    an engine sends before generating (`"delta": {"role": "assistant", ...}`), nor an error or usage-only chunk."""
+    return (event.startswith(b"data: {") and b'"choices"' in event and b'"role"' not in event
+            and b'"choices":[]' not in event.replace(b" ", b""))
 
 
 class Settlement:
@@ -178,6 +204,7 @@ class Settlement:
         self._settle = settle
         self.settled: int | None = None
         self._when_finished: list[Callable[[], None]] = []
+        self._when_answered: list[Callable[[Usage], None]] = []
 
     def when_finished(self, callback: Callable[[], None]) -> None:
         """Calls `callback` once the request has ended (settled, refunded or abandoned), at once if it has."""
@@ -186,7 +213,14 @@ class Settlement:
         else:
             callback()
 
+    def when_answered(self, callback: Callable[[Usage], None]) -> None:
+        """Calls `callback` with the answer's Usage when an answer settles it (not when refunded or abandoned)."""
+        self._when_answered.append(callback)
+
     def __call__(self, usage: Usage) -> None:
+        if self.settled is None:
+            for callback in self._when_answered:
+                callback(usage)
         if usage.total is not None:
             self._finish(usage.total)
         elif usage.streamed_events is None:  # a success without a count: keep the whole reservation

@@ -1,5 +1,10 @@
 """How many engine pods a fleet should have: a pure function of what was observed and what was decided before.
 
+When the pods report their measured capacity and the gateways' per-class counts are there, the SLO-class planner
+decides (operator/planner.py: pods in units of work per class over the measured cold start, a standing margin for
+the critical class); the scale-down window then shortens to twice the cold start (at least 60 s), and the burst
+rules and step caps below do not apply (the plan covers them). Otherwise (vLLM pods, no Redis) the load signals:
+
 After Kubernetes' HPA: desired = ceil(current × observed / target) for each signal (KV-cache usage per pod,
 waiting requests per replica including the gateway's queue), the larger wins; no change within the tolerance;
 pods without metrics count as full when scaling down and as empty when scaling up; scale-up and scale-down
@@ -14,10 +19,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvfleet.fleet.priority import Priority
+from kvfleet.fleet.slo import DEFAULT_SLO_CLASSES, ClassWindow, SloClass
 from kvfleet.operator.fleet_fields import autoscaling_default
+from kvfleet.operator.planner import UTILIZATION, PlannerMemory, measured_capacity, plan
+
+PERIOD_ALLOWANCE_S = 15.0  # the planner's horizon: cold start + one decision period (the operator's default)
+# With a plan, a scale-down waits the smaller of scaleDownStabilizationSeconds and this or twice the cold start: the
+# plan's margin already covers what a long window would (replayed: 300 s cost 1.5-1.7x the oracle, 60 s 1.1-1.4x).
+PLANNER_MIN_DOWN_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,9 @@ class AutoscalingPolicy:
     stable_window_s: float = 60.0
     panic_hold_s: float = 60.0  # no scale-down for this long after a burst
     scale_to_zero_idle_s: float = autoscaling_default("scale_to_zero_idle_s")
+    cold_start_s: float = autoscaling_default("cold_start_s")  # until measured (Observation.cold_start_s)
+    slo: Mapping[Priority, SloClass] = field(default_factory=lambda: dict(DEFAULT_SLO_CLASSES))
+    planner_utilization: float = UTILIZATION  # work per pod the SLO planner aims at (a full batch is 1)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -57,6 +73,8 @@ class AutoscalingPolicy:
                 and self.panic_scale_up_factor >= self.max_scale_up_factor):
             raise ValueError("scale factors must be > 1, the scale-down factor at most 2, and the burst factor at "
                              "least the scale-up factor")
+        if not 0 < self.planner_utilization <= 1:
+            raise ValueError(f"the planner's utilization must be in (0, 1], not {self.planner_utilization}")
         if not 0 < self.kv_scale_down_exponent <= 1:
             raise ValueError(f"the KV scale-down exponent must be in (0, 1], not {self.kv_scale_down_exponent}")
 
@@ -68,6 +86,10 @@ class PodLoad:
     kv_cache_usage: float | None
     running: int | None = None
     waiting: int | None = None
+    # The capacity model's inputs (kvfleet engines export them; None where not exported or not measured yet).
+    max_num_seqs: int | None = None
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s_full_batch: float | None = None
 
     @property
     def has_metrics(self) -> bool:
@@ -80,6 +102,10 @@ class Observation:
     current_replicas: int  # what the Deployment has now (spec)
     pods: tuple[PodLoad, ...]  # its ready pods
     gateway_queued: int = 0  # the fleet's requests waiting in the gateway queue (Redis)
+    # What the gateways counted per class over the last minute (kvfleet/fleet/slo.py); empty when unknown.
+    classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)
+    cold_start_s: float | None = None  # measured pod creation -> ready for this fleet; None: not measured yet
+    recent_classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)  # as classes, the last 15 s
 
 
 @dataclass(frozen=True)
@@ -89,10 +115,12 @@ class Decision:
     kv_cache_usage: float | None  # average over pods with metrics
     queue_per_replica: float
     panic: bool = False
+    plan: dict | None = None  # the SLO planner's inputs, when it decided
 
     def inputs(self) -> dict:
-        return {"kvCacheUsage": None if self.kv_cache_usage is None else round(self.kv_cache_usage, 3),
-                "queuePerReplica": round(self.queue_per_replica, 2), "panic": self.panic}
+        out = {"kvCacheUsage": None if self.kv_cache_usage is None else round(self.kv_cache_usage, 3),
+               "queuePerReplica": round(self.queue_per_replica, 2), "panic": self.panic}
+        return out | ({"plan": self.plan} if self.plan else {})
 
 
 @dataclass
@@ -104,6 +132,7 @@ class AutoscalerState:
     loads: list[tuple[float, float]] = field(default_factory=list)  # (time, load) for the burst detector
     panic_until: float = -math.inf
     last_busy: float | None = None
+    planner: PlannerMemory = field(default_factory=PlannerMemory)
 
     @property
     def observed_at(self) -> float:
@@ -121,6 +150,7 @@ class AutoscalerState:
             out["panicUntil"] = round(self.panic_until, 3)
         if self.last_busy is not None:
             out["lastBusy"] = round(self.last_busy, 3)
+        out["planner"] = self.planner.as_status()
         return out
 
     @classmethod
@@ -131,7 +161,8 @@ class AutoscalerState:
             return cls([(float(t), int(r)) for t, r in saved.get("recommendations") or []],
                        [(float(t), float(v)) for t, v in saved.get("loads") or []],
                        float(saved.get("panicUntil", -math.inf)),
-                       None if saved.get("lastBusy") is None else float(saved["lastBusy"]))
+                       None if saved.get("lastBusy") is None else float(saved["lastBusy"]),
+                       PlannerMemory.from_status(saved.get("planner")))
         except (TypeError, ValueError, AttributeError):
             return cls()
 
@@ -210,23 +241,38 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
         state.panic_until = now + policy.panic_hold_s
     panic = now < state.panic_until
 
+    capacity = state.planner.learn_capacity(measured_capacity(
+        (p.prefill_tokens_per_s, p.decode_tokens_per_s_full_batch) for p in obs.pods))
+    planned = None
     if current == 0:
         desired, reason = _from_zero(obs, policy)
         kv_cache_usage_avg, queue = None, float(obs.gateway_queued)
+    elif obs.classes and capacity is not None:
+        cold_start = obs.cold_start_s if obs.cold_start_s is not None else policy.cold_start_s
+        horizon = cold_start + PERIOD_ALLOWANCE_S
+        waiting_in_pods = sum(p.waiting or 0 for p in with_metrics)
+        planned = plan(now, obs.classes, capacity, waiting_in_pods, horizon, policy.slo, state.planner,
+                       policy.planner_utilization, obs.recent_classes)
+        kv_cache_usage_avg = sum(kv_values) / len(kv_values) if kv_values else None
+        queue = (sum(waiting) + obs.gateway_queued) / max(current, 1)
+        desired, reason = _idle(max(1, math.ceil(planned.pods - 1e-9)), planned.reason, now, level, policy, state)
     else:
         raw, kv_cache_usage_avg, queue = _signal_desired(len(with_metrics), kv_values, waiting, missing,
                                                          obs.gateway_queued, policy)
-        desired, reason = max(1, raw), _reason(raw, current, kv_cache_usage_avg, queue, policy)  # zero only when idle
+        reason = _reason(raw, current, kv_cache_usage_avg, queue, policy)
         if missing:
             reason += f"; {missing} pod(s) without metrics"
-        idle_for = now - (state.last_busy if state.last_busy is not None else now)
-        if policy.min_replicas == 0 and level == 0 and idle_for >= policy.scale_to_zero_idle_s:
-            desired, reason = 0, f"idle for {idle_for:.0f} s: scale to zero"
+        desired, reason = _idle(max(1, raw), reason, now, level, policy, state)  # zero only when idle
 
-    desired = _stabilize(desired, current, now, policy, state, burst, panic)
-    if desired < current and panic:
+    if planned is not None:  # the plan already covers bursts and the cold start: no burst rules, no step caps
+        window = min(policy.scale_down_stabilization_s, max(PLANNER_MIN_DOWN_WINDOW_S, 2 * cold_start))
+        desired = _stabilize(desired, current, now, replace(policy, scale_down_stabilization_s=window), state,
+                             True, False)
+    else:
+        desired = _stabilize(desired, current, now, policy, state, burst, panic)
+    if desired < current and panic and planned is None:
         desired, reason = current, "burst hold: no scale-down right after a burst"
-    if current > 0 and desired > 0:
+    if current > 0 and desired > 0 and planned is None:
         up_factor = policy.panic_scale_up_factor if burst else policy.max_scale_up_factor
         desired = min(desired, max(current + 1, math.floor(current * up_factor)))
         desired = max(desired, min(current - 1, math.ceil(current / policy.max_scale_down_factor)))
@@ -236,7 +282,16 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
         reason += f" (clamped to [{policy.min_replicas}, {policy.max_replicas}])"
     if burst and clamped > current:
         reason = "burst: " + reason
-    return Decision(clamped, reason, kv_cache_usage_avg, queue, panic)
+    return Decision(clamped, reason, kv_cache_usage_avg, queue, panic, planned.inputs if planned else None)
+
+
+def _idle(desired: int, reason: str, now: float, level: float, policy: AutoscalingPolicy,
+          state: AutoscalerState) -> tuple[int, str]:
+    """Zero, with minReplicas 0, once nothing has been in the system for scaleToZeroAfterSeconds."""
+    idle_for = now - (state.last_busy if state.last_busy is not None else now)
+    if policy.min_replicas == 0 and level == 0 and idle_for >= policy.scale_to_zero_idle_s:
+        return 0, f"idle for {idle_for:.0f} s: scale to zero"
+    return desired, reason
 
 
 def _from_zero(obs: Observation, policy: AutoscalingPolicy) -> tuple[int, str]:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import sys
 
 from kvfleet.fleet.engine_settings import crd_engine_properties
+from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
+from kvfleet.fleet.slo import DEFAULT_SLO_CLASSES, SloClass
+from kvfleet.operator.cold_start import KEEP, PERCENTILE
 from kvfleet.operator.fleet_fields import AUTOSCALING_ENABLED, AUTOSCALING_FIELDS, DEFAULT_IMAGE, SPEC_FIELDS
 from kvfleet.operator.fleet_spec import (
     ENGINE_API_KEY_ENV,
@@ -15,6 +18,50 @@ from kvfleet.operator.fleet_spec import (
     PLURAL,
     VERSION,
 )
+
+
+def _open_bound(rule: str, message: str) -> dict:
+    """An exclusive bound as a CEL rule: Kubernetes' boolean exclusiveMinimum is not JSON Schema's (a number), and
+    the chart's checks validate with the latter."""
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
+
+
+# SloClass.__post_init__'s bounds in schema form (tests/test_operator_slo_classes.py probes both at the edges).
+SLO_FIELD_BOUNDS = {
+    "ttftSeconds": {"minimum": 0, "maximum": 3600, **_open_bound("self > 0.0", "ttftSeconds must be above 0")},
+    "attainment": {"minimum": 0, "maximum": 1,
+                   **_open_bound("self < 1.0", "attainment must be below 1 (0.999 is 99.9 %)")},
+    "tpotSeconds": {"minimum": 0, "maximum": 60, **_open_bound("self > 0.0", "tpotSeconds must be above 0")},
+}
+
+
+def slo_class_schema(default: SloClass) -> dict:
+    """One class's objective; each field defaults to kvfleet/fleet/slo.py's DEFAULT_SLO_CLASSES."""
+    fields = {
+        "ttftSeconds": ("time to first token, seconds from the request reaching the gateway", default.ttft_s),
+        "attainment": ("the share of the class's requests that must meet it (0.999 is 99.9 %); 0: best effort",
+                       default.attainment),
+        "tpotSeconds": ("time per output token, seconds; absent: no objective", default.tpot_s),
+    }
+    properties = {}
+    for name, (text, value) in fields.items():
+        properties[name] = {"type": "number", **SLO_FIELD_BOUNDS[name], "description": text}
+        if value is not None:
+            properties[name]["default"] = value
+    share = "best effort" if default.best_effort else f"for {default.attainment:.1%} of requests"
+    return {"type": "object", "properties": properties,
+            "description": f"default: TTFT <= {default.ttft_s:g} s, {share}"}
+
+
+def slo_classes_schema() -> dict:
+    """spec.autoscaling.sloClasses: a class absent keeps its defaults; unknown class names are refused."""
+    # An unknown class is an unknown field: the API server refuses it under strict field validation (kubectl's
+    # default) and prunes it otherwise; the operator's parser refuses it too (CEL cannot see undeclared fields).
+    return {"type": "object",
+            "description": f"the TTFT objective of each priority class ({PRIORITY_NAMES}) the autoscaler plans for "
+                           "and status.sloAttainment reports against",
+            "properties": {p.value: slo_class_schema(DEFAULT_SLO_CLASSES[p]) for p in Priority}}
+
 
 SPEC_SCHEMA = {
     "type": "object",
@@ -42,7 +89,8 @@ SPEC_SCHEMA = {
         },
         "autoscaling": {
             "type": "object",
-            "properties": {f.name: f.schema() for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)},
+            "properties": {**{f.name: f.schema() for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)},
+                           "sloClasses": slo_classes_schema()},
             "x-kubernetes-validations": [{"rule": "!has(self.minReplicas) || !has(self.maxReplicas) || "
                                                   "self.minReplicas <= self.maxReplicas",
                                           "message": "minReplicas must not exceed maxReplicas"}],
@@ -68,11 +116,41 @@ STATUS_SCHEMA = {
             "type": "object",
             "description": "the autoscaler's memory, read back every period so an operator restart changes no "
                            "decision: [time, replicas] recommendations of the stabilization windows, [time, load] "
-                           "of the burst window, the burst hold's end and the last busy time (Unix seconds)",
+                           "of the burst window, the burst hold's end, the last busy time (Unix seconds) and the "
+                           "SLO planner's memory",
             "properties": {
                 "recommendations": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
                 "loads": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
-                "panicUntil": {"type": "number"}, "lastBusy": {"type": "number"}}},
+                "panicUntil": {"type": "number"}, "lastBusy": {"type": "number"},
+                "planner": {
+                    "type": "object",
+                    "description": "the SLO planner's memory: the capacity it learned (tokens/s per pod) and "
+                                   "[time, work per class in pods...] demand samples (operator/planner.py)",
+                    "properties": {
+                        "capacity": {"type": "object", "properties": {
+                            "prefillTokensPerSecond": {"type": "number"},
+                            "decodeTokensPerSecond": {"type": "number"}}},
+                        "demand": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}}},
+                "lastDecision": {
+                    "type": "object", "description": "the latest period's decision, written every period",
+                    "properties": {"time": {"type": "string", "format": "date-time"}, "desired": {"type": "integer"},
+                                   "reason": {"type": "string"},
+                                   "inputs": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}}},
+        "sloAttainment": {
+            "type": "object",
+            "description": "per class: its objective, the share of its requests that met it over the window "
+                           "(absent without answered or shed requests; a shed request is a miss), the requests that "
+                           "arrived and were shed, and the seconds counted (spec.sloWindowSeconds)",
+            "properties": {p.value: {"type": "object", "properties": {
+                "ttftSeconds": {"type": "number"}, "tpotSeconds": {"type": "number"}, "target": {"type": "number"},
+                "attained": {"type": "number", "nullable": True}, "requests": {"type": "integer"},
+                "shed": {"type": "integer"}, "windowSeconds": {"type": "number"}}} for p in Priority}},
+        "coldStartSeconds": {"type": "number", "description": f"measured pod creation to Ready: the "
+                                                              f"{PERCENTILE:.0%} percentile of the fleet's last "
+                                                              f"{KEEP} starts (status.coldStart)"},
+        "coldStart": {"type": "object", "description": "the fleet's last pod starts, kept across operator restarts",
+                      "properties": {"samples": {"type": "array", "items": {"type": "object", "properties": {
+                          "pod": {"type": "string"}, "seconds": {"type": "number"}}}}}},
     },
     "x-kubernetes-preserve-unknown-fields": True,
 }

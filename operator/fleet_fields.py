@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvfleet.fleet.slo_stats import SLOT_S, STATS_TTL_S
+
 
 @dataclass(frozen=True)
 class FleetField:
@@ -40,6 +42,8 @@ SPEC_FIELDS = (
                "engine pods; the autoscaler writes it when autoscaling is enabled"),
     FleetField("drainSeconds", "drain_seconds", "integer", 30, 0, 3600,
                "how long an engine may finish in-flight requests when stopped"),
+    FleetField("sloWindowSeconds", "slo_window_s", "integer", 600, SLOT_S, STATS_TTL_S - SLOT_S,
+               "the window status.sloAttainment counts over (at most what the gateways' counts in Redis keep)"),
 )
 
 # spec.autoscaling.<name>; `enabled` goes onto FleetSpec, the rest onto AutoscalingPolicy.
@@ -54,6 +58,8 @@ AUTOSCALING_FIELDS = (
     FleetField("scaleDownStabilizationSeconds", "scale_down_stabilization_s", "integer", 300, 0, 3600,
                reads_float=True),
     FleetField("scaleToZeroAfterSeconds", "scale_to_zero_idle_s", "integer", 300, 0, 86400, reads_float=True),
+    FleetField("coldStartSeconds", "cold_start_s", "integer", 30, 0, 3600,
+               "pod creation to ready, assumed until the operator has measured the fleet's own", reads_float=True),
 )
 
 

@@ -14,7 +14,9 @@ from kvfleet.fleet.engine_settings import (
     value_type,
 )
 from kvfleet.fleet.pods import DEFAULT_ENGINE_PORT as ENGINE_PORT
+from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
 from kvfleet.fleet.sizes import parse_size
+from kvfleet.fleet.slo import DEFAULT_SLO_CLASSES, SloClass
 from kvfleet.operator.autoscaler import AutoscalingPolicy
 from kvfleet.operator.fleet_fields import (
     AUTOSCALING_ENABLED,
@@ -68,6 +70,7 @@ class FleetSpec:
     autoscaling_enabled: bool = spec_default("autoscaling_enabled")
     autoscaling: AutoscalingPolicy = AutoscalingPolicy()
     drain_seconds: int = spec_default("drain_seconds")
+    slo_window_s: int = spec_default("slo_window_s")  # status.sloAttainment's window
     # A Secret in the fleet's namespace whose `api_key_secret_key` the engines require as a bearer token.
     api_key_secret: str | None = None
     api_key_secret_key: str = ENGINE_API_KEY_SECRET_KEY
@@ -129,6 +132,37 @@ def _engine(engine: dict) -> FleetEngineSettings:
     return FleetEngineSettings(**values, extra_args=tuple(extra))
 
 
+SLO_FIELDS = {"ttftSeconds": "ttft_s", "attainment": "attainment", "tpotSeconds": "tpot_s"}
+
+
+def _slo_classes(auto: dict) -> dict[Priority, SloClass]:
+    """spec.autoscaling.sloClasses over DEFAULT_SLO_CLASSES: a class or field left out keeps its default."""
+    given = auto.get("sloClasses") or {}
+    where = "spec.autoscaling.sloClasses"
+    if not isinstance(given, dict):
+        raise InvalidSpec(f"{where} must be an object keyed by class ({PRIORITY_NAMES}), not {given!r}")
+    unknown = [name for name in given if name not in Priority.__members__.values()]
+    if unknown:
+        raise InvalidSpec(f"{where}.{unknown[0]} is not a priority class; write {PRIORITY_NAMES}")
+    classes = dict(DEFAULT_SLO_CLASSES)
+    for name, fields_ in given.items():
+        if not isinstance(fields_, dict):
+            raise InvalidSpec(f"{where}.{name} must be an object: {{ttftSeconds, attainment, tpotSeconds}}")
+        bad = next((k for k in fields_ if k not in SLO_FIELDS), None)
+        if bad is not None:
+            raise InvalidSpec(f"{where}.{name}.{bad} is not a field; write {', '.join(SLO_FIELDS)}")
+        flag = next((k for k, v in fields_.items() if isinstance(v, bool)), None)
+        if flag is not None:
+            raise InvalidSpec(f"{where}.{name}.{flag} must be a number, not {fields_[flag]!r}")
+        default = DEFAULT_SLO_CLASSES[Priority(name)]
+        try:
+            classes[Priority(name)] = SloClass(**{attr: fields_.get(key, getattr(default, attr))
+                                                  for key, attr in SLO_FIELDS.items()})
+        except ValueError as err:  # SloClass's message starts with the field's name
+            raise InvalidSpec(f"{where}.{name}.{err}") from None
+    return classes
+
+
 def _engine_auth(spec: dict[str, Any], default_secret: str | None) -> tuple[str | None, str]:
     """spec.engineAuth names the token's Secret; without it the operator's --engine-api-key-secret applies,
     and `secretName: ""` turns the token off for this fleet."""
@@ -154,8 +188,10 @@ def parse_fleet(name: str, namespace: str, spec: dict[str, Any], default_api_key
         raise InvalidSpec("spec.model is required: a known model name (smollm2-135m-instruct) or a path in the image")
     settings = _engine(spec.get("engine") or {})
     auto = spec.get("autoscaling") or {}
+    slo = _slo_classes(auto)
     try:
-        policy = AutoscalingPolicy(**{f.attr: _read(auto, f, "spec.autoscaling") for f in AUTOSCALING_FIELDS})
+        policy = AutoscalingPolicy(**{f.attr: _read(auto, f, "spec.autoscaling") for f in AUTOSCALING_FIELDS},
+                                   slo=slo)
     except ValueError as err:  # an InvalidSpec of a field too, as before: the message gains the prefix
         raise InvalidSpec(f"spec.autoscaling: {err}") from None
     resources = spec.get("resources") or {}

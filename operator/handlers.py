@@ -16,8 +16,10 @@ import kopf
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from kvfleet.fleet.slo_stats import read_class_windows
 from kvfleet.operator import metrics
 from kvfleet.operator.autoscaler import AutoscalerState, Decision, Observation, recommend
+from kvfleet.operator.cold_start import add_starts, cold_start_figure, cold_start_status, saved_samples
 from kvfleet.operator.fleet_spec import GROUP, PLURAL, VERSION, FleetSpec, InvalidSpec, parse_fleet
 from kvfleet.operator.manifests import (
     FIELD_MANAGER,
@@ -27,7 +29,9 @@ from kvfleet.operator.manifests import (
     selector_string,
 )
 from kvfleet.operator.observe import observe_fleet
+from kvfleet.operator.planner import DEMAND_WINDOW_S, RECENT_WINDOW_S
 from kvfleet.operator.settings import OperatorConfig
+from kvfleet.operator.slo_status import slo_attainment_status
 
 log = logging.getLogger("kvfleet.operator")
 HISTORY = 5
@@ -140,16 +144,30 @@ class FleetHandlers:
             fleet = parse_fleet(name, namespace, dict(spec))
         except InvalidSpec:
             return
-        pods, queued, counts = await observe_fleet(fleet, self.config.redis_url, self.config.scrape_timeout_s)
+        pods, queued, counts, pod_objects = await observe_fleet(fleet, self.config.redis_url,
+                                                                self.config.scrape_timeout_s)
+        now = time.time()  # wall-clock time: the windows in the status must mean the same to the next process
         patch.status.update(counts)
+        starts = add_starts(saved_samples(status.get("coldStart")), pod_objects)
+        cold_start_s = cold_start_figure(starts)
+        patch.status["coldStart"] = cold_start_status(starts)
+        if cold_start_s is not None:
+            patch.status["coldStartSeconds"] = cold_start_s
+        counted = await read_class_windows(self.config.redis_url, name, fleet.slo_window_s, now)
+        patch.status["sloAttainment"] = slo_attainment_status(fleet.autoscaling.slo, counted, fleet.slo_window_s)
         metrics.KV_CACHE_USAGE.labels(namespace, name).set(counts["kvCacheUsage"])
         metrics.GATEWAY_QUEUED.labels(namespace, name).set(queued)
         if not fleet.autoscaling_enabled:
             return
         state = self.autoscaler_state(f"{namespace}/{name}", status)
-        # Wall-clock time: the windows in the status must mean the same to the next operator process.
-        decision = recommend(Observation(time.time(), fleet.replicas, tuple(pods), queued), fleet.autoscaling, state)
-        patch.status["autoscaler"] = state.as_status()
+        classes = await read_class_windows(self.config.redis_url, name, DEMAND_WINDOW_S, now)
+        recent = await read_class_windows(self.config.redis_url, name, RECENT_WINDOW_S, now)
+        observation = Observation(now, fleet.replicas, tuple(pods), queued, classes=classes, cold_start_s=cold_start_s,
+                                  recent_classes=recent)
+        decision = recommend(observation, fleet.autoscaling, state)
+        patch.status["autoscaler"] = {**state.as_status(), "lastDecision": {
+            "time": now_iso(), "desired": decision.desired, "reason": decision.reason,
+            "inputs": {**decision.inputs(), "gatewayQueued": queued, "coldStartSeconds": cold_start_s}}}
         metrics.DESIRED_REPLICAS.labels(namespace, name).set(decision.desired)
         if decision.desired != fleet.replicas:
             await asyncio.to_thread(set_replicas, namespace, name, decision.desired)

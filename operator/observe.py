@@ -27,7 +27,8 @@ async def scrape_pod(http: httpx.AsyncClient, url: str) -> PodLoad:
     except (httpx.HTTPError, MetricsParseError) as err:
         log.info("no metrics from %s: %s", url, err)
         return PodLoad(None)
-    return PodLoad(load.kv_cache_usage, load.num_running, load.num_waiting)
+    return PodLoad(load.kv_cache_usage, load.num_running, load.num_waiting, load.max_num_seqs,
+                   load.prefill_tokens_per_second, load.decode_tokens_per_second_full_batch)
 
 
 async def gateway_queued(redis_url: str | None, fleet: str) -> int:
@@ -45,11 +46,11 @@ async def gateway_queued(redis_url: str | None, fleet: str) -> int:
         return 0
 
 
-def ready_pod_urls(fleet: FleetSpec) -> list[str]:
-    """The fleet's ready engine pods' base URLs (a blocking Kubernetes call: run it in a thread)."""
+def fleet_pods(fleet: FleetSpec) -> list[dict]:
+    """The fleet's engine pods as the API's camelCase dicts (a blocking Kubernetes call: run it in a thread)."""
     pods = client.CoreV1Api().list_namespaced_pod(namespace=fleet.namespace,
                                                   label_selector=selector_string(fleet.name))
-    return [u for u in (pod_endpoint(p) for p in pods.items) if u]
+    return [p.to_dict(serialize=True) for p in pods.items]
 
 
 def deployment_replicas(fleet: FleetSpec) -> tuple[int, int]:
@@ -65,10 +66,12 @@ def deployment_replicas(fleet: FleetSpec) -> tuple[int, int]:
 
 
 async def observe_fleet(fleet: FleetSpec, redis_url: str | None,
-                        timeout_s: float) -> tuple[list[PodLoad], int, dict]:
-    """(per-pod loads of the ready pods, the gateway's queued count, status fields). The Kubernetes client
-    blocks, so its calls run in threads; the scrapes and Redis are async, so the event loop never waits."""
-    urls = await asyncio.to_thread(ready_pod_urls, fleet)
+                        timeout_s: float) -> tuple[list[PodLoad], int, dict, list[dict]]:
+    """(per-pod loads of the ready pods, the gateway's queued count, status fields, all the fleet's pods for the
+    cold start's measure). The Kubernetes client blocks, so its calls run in threads; the scrapes and Redis are
+    async, so the event loop never waits."""
+    pods = await asyncio.to_thread(fleet_pods, fleet)
+    urls = [u for u in map(pod_endpoint, pods) if u]
     async with httpx.AsyncClient(timeout=timeout_s) as http:
         loads = await asyncio.gather(*(scrape_pod(http, u) for u in urls))
     queued = await gateway_queued(redis_url, fleet.name)
@@ -78,4 +81,4 @@ async def observe_fleet(fleet: FleetSpec, redis_url: str | None,
     status = {"replicas": replicas, "readyReplicas": ready, "kvCacheUsage": round(kv_cache_usage_avg, 3),
               "kvCachePercent": round(kv_cache_usage_avg * 100), "requestsRunning": sum(p.running or 0 for p in loads),
               "requestsWaiting": sum(p.waiting or 0 for p in loads), "gatewayQueued": queued}
-    return loads, queued, status
+    return loads, queued, status, pods

@@ -102,7 +102,7 @@ def test_metrics_can_be_restricted_to_named_ones_for_frequent_scrapes(base: str)
     names = {line.split("{")[0].split()[0] for line in text.splitlines() if line and not line.startswith("#")}
     assert names == {"kvfleet_kv_cache_usage", "kvfleet_num_requests_waiting", "kvfleet_num_requests_running",
                      "kvfleet_max_num_seqs", "kvfleet_prefill_tokens_pending", "kvfleet_prefill_tokens_per_second",
-                     "kvfleet_request_slot_seconds"}
+                     "kvfleet_request_slot_seconds", "kvfleet_decode_tokens_per_second_full_batch"}
     assert parse_engine_load(text).max_num_seqs == 128  # the engine default
     assert len(text) < len(httpx.get(f"{base}/metrics").text) / 5
 

@@ -27,7 +27,9 @@ engine, model = one_sequence_engine_fixtures()
 @pytest.fixture(scope="module")
 def gateways(engine: str, redis_server_module):
     started = [start_gateway("--engine", engine, "--redis-url", redis_server_module.url, "--fleet", FLEET,
-                             "--saturation-queue", "1", "--queue-caps", "standard=4") for _ in range(2)]
+                             "--saturation-queue", "1", "--queue-caps", "standard=4",
+                             # the fleet queue's order is what these tests check: critical requests queue too
+                             "--no-critical-first") for _ in range(2)]
     for _, url in started:
         wait_until_routable(url)
     yield [url for _, url in started]
@@ -140,7 +142,7 @@ def test_a_client_that_gives_up_leaves_the_queue_at_once(engine, model, gateways
 def test_through_the_python_proxy_a_client_that_gives_up_leaves_the_queue_at_once(engine, model, redis_server_module,
                                                                                   queued) -> None:
     proc, url = start_gateway("--engine", engine, "--redis-url", redis_server_module.url, "--fleet", FLEET,
-                              "--saturation-queue", "1", "--data-plane", "python")
+                              "--saturation-queue", "1", "--data-plane", "python", "--no-critical-first")
     try:
         wait_until_routable(url)
         gives_up_and_leaves_the_queue(engine, model, url, queued)

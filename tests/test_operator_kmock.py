@@ -133,12 +133,14 @@ class MetricsServer:
 
     def __init__(self) -> None:
         self.kv, self.running, self.waiting = 0.0, 0, 0
+        self.extra = ""  # more exposition lines (the capacity an engine measured of itself)
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 body = (f"kvfleet_kv_cache_usage {outer.kv}\nkvfleet_num_requests_running {outer.running}\n"
-                        f"kvfleet_num_requests_waiting {outer.waiting}\nkvfleet_max_num_seqs 16\n").encode()
+                        f"kvfleet_num_requests_waiting {outer.waiting}\nkvfleet_max_num_seqs 16\n"
+                        f"{outer.extra}").encode()
                 self.send_response(200)
                 self.send_header("content-type", "text/plain")
                 self.send_header("content-length", str(len(body)))
@@ -211,3 +213,32 @@ def test_requests_queued_at_the_gateway_scale_a_fleet_from_zero(api) -> None:
     r = redis.Redis.from_url(redis_server.url)
     r.zadd(queue_key("zero"), {f"gw-{i}": 1000 + i for i in range(6)})  # what waiting gateways leave there
     eventually(lambda: replicas(api_client, "zero") == 2, timeout=15)  # ceil(6 / 4 per replica)
+
+
+def test_the_slo_planner_sizes_a_fleet_from_the_gateways_counts_and_the_engines_capacity(api) -> None:
+    """Per-class counts in Redis (what the gateways wrote half a minute ago) and pods that report their measured
+    capacity: the operator plans in units of work and says so in the status."""
+    import redis
+
+    from kvfleet.fleet.priority import Priority
+    from kvfleet.fleet.redis_keys import slo_slot_key
+    from kvfleet.fleet.slo_stats import ARRIVALS, COMPLETED, OUTPUT_TOKENS, PROMPT_TOKENS, field, slot_start
+
+    api_client, _, _, _, redis_server = api
+    metrics = MetricsServer()
+    metrics.kv, metrics.running = 0.2, 4
+    metrics.extra = "kvfleet_prefill_tokens_per_second 480\nkvfleet_decode_tokens_per_second_full_batch 116\n"
+    n = 180  # standard requests of 136 prompt and 64 output tokens: 3 req/s over the minute
+    redis.Redis.from_url(redis_server.url).hset(slo_slot_key("planned", slot_start(time.time() - 30)), mapping={
+        field(Priority.STANDARD, ARRIVALS): n, field(Priority.STANDARD, PROMPT_TOKENS): 136 * n,
+        field(Priority.STANDARD, COMPLETED): n, field(Priority.STANDARD, OUTPUT_TOKENS): 64 * n})
+    create_fleet(api_client, "planned", {"model": "smollm2-135m-instruct", "replicas": 1,
+                                         "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 8}})
+    client.CoreV1Api(api_client).create_namespaced_pod(NS, engine_pod("planned", "planned-engine-0", metrics.port))
+    # 3 req/s × (136/480 + 64/116) s of a pod each, at 90 % utilization: ceil(2.6-2.8) = 3 pods
+    eventually(lambda: replicas(api_client, "planned") == 3, timeout=15)
+    fleet = client.CustomObjectsApi(api_client).get_namespaced_custom_object(*FLEETS, "planned")
+    auto = fleet["status"]["autoscaler"]
+    assert auto["planner"]["capacity"] == {"prefillTokensPerSecond": 480.0, "decodeTokensPerSecond": 116.0}
+    [entry] = fleet["status"]["scalingHistory"]
+    assert entry["reason"].startswith("plan") and 2.4 < entry["plan"]["workPods"]["standard"] < 2.6

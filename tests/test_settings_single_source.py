@@ -80,7 +80,8 @@ def test_the_crds_engine_defaults_are_the_parsers() -> None:
 def test_the_crds_autoscaling_and_spec_defaults_are_the_parsers_and_the_policys() -> None:
     auto_schema = SPEC_SCHEMA["properties"]["autoscaling"]["properties"]
     fleet = parse_fleet("f", "ns", MINIMAL)
-    assert set(auto_schema) == {f.name for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)}
+    # sloClasses, the one structured field, defaults from kvfleet/fleet/slo.py (tests/test_operator_slo_classes.py)
+    assert set(auto_schema) == {f.name for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)} | {"sloClasses"}
     for f in AUTOSCALING_FIELDS:
         assert auto_schema[f.name]["default"] == getattr(fleet.autoscaling, f.attr) == getattr(
             AutoscalingPolicy(), f.attr), f.name

@@ -4,8 +4,11 @@
 A pod runs up to max_num_seqs requests at once with processor-shared decode whose throughput grows with the batch
 (half its asymptote at 25 sequences, from the step-time split), prefills one prompt at a time (~480 tokens/s)
 while decoding pauses, and takes both its waiting requests and the prompts still to prefill by engine priority
-(critical first, as the engine's scheduler does; running requests are not preempted here). It reports KV usage =
-running × a per-request share; a request whose prefill has not started counts as waiting.
+(critical first, as the engine's scheduler does). A request that outranks a running one does not wait for a slot:
+the lowest-priority, latest-arrived running request is preempted and recomputed later (vLLM's priority policy, as
+the engine's scheduler does). It reports KV usage = running × a per-request share; a request whose prefill has not
+started counts as waiting; and the capacity the engine measures of itself (prefill tokens/s, decode tokens/s at a
+full batch).
 """
 
 from __future__ import annotations
@@ -52,12 +55,15 @@ class EngineModel:
         h, m = self.half_rate_batch, self.max_num_seqs
         return [full * n * (m + h) / (m * (n + h)) for n in range(m + 1)]
 
+    @property
+    def decode_tokens_per_s_full_batch(self) -> float:
+        return self.decode_rps[self.max_num_seqs] * MEAN_OUTPUT_TOKENS
+
     def busy_s(self, prompt_tokens: int, work: float) -> float:
         """Seconds of a pod's time one request takes at a full batch: its prefill and its share of decoding."""
         return prompt_tokens / self.prefill_tokens_per_s + work / self.decode_rps[self.max_num_seqs]
 
 
-_IDLE = PodLoad(0.0, 0, 0)
 
 
 @dataclass(slots=True)
@@ -70,6 +76,9 @@ class Request:
     first_token: float | None = None
     done: bool = False
     shed: bool = False  # refused by the gateway (429): never served
+    prompt_tokens: int = 0  # as the trace said: what the gateway counts of the request and its answer
+    output_tokens: int = 0
+    resumed: bool = False  # preempted after its first token: its recomputation does not move that token
 
 
 class Pod:
@@ -91,13 +100,13 @@ class Pod:
 
     def metrics(self, now: float) -> PodLoad:
         """What its /metrics would say now: KV usage, running, waiting."""
-        if not self.running:
-            return _IDLE
         while self.prefills and self.prefills[0][0] <= now:
             self.prefills.popleft()
         pending = len(self.prefills)
         running = len(self.running) - pending
-        return PodLoad(running * self.engine.kv_per_request, running, len(self.waiting) + pending)
+        e = self.engine
+        return PodLoad(running * e.kv_per_request, running, len(self.waiting) + pending, e.max_num_seqs,
+                       e.prefill_tokens_per_s, e.decode_tokens_per_s_full_batch)
 
     def advance(self, start: float, end: float, arrivals: list[tuple[float, Request]]) -> None:
         """Serve from start to end, taking the arrivals (time-ordered) as they come."""
@@ -125,11 +134,36 @@ class Pod:
                 i += 1
                 if n < self.engine.max_num_seqs:
                     self._admit(request, now)
+                elif self._preempt_for(request, now):
+                    self._admit(request, now)
                 else:
                     self._queued += 1
                     heapq.heappush(self.waiting, (engine_priority(request.priority), self._queued, request))
             else:
                 return
+
+    def _preempt_for(self, request: Request, now: float) -> bool:
+        """Make room for a request that outranks a running one: the lowest-priority, latest-arrived running request
+        goes back to waiting, its decoding lost (recomputed when it runs again)."""
+        order = engine_priority(request.priority)
+        k = max(range(len(self.running)), key=lambda i: (engine_priority(self.running[i][2].priority),
+                                                         self.running[i][2].arrival))
+        victim = self.running[k][2]
+        if engine_priority(victim.priority) <= order:
+            return False
+        self.running[k] = self.running[-1]
+        self.running.pop()
+        heapq.heapify(self.running)
+        for i, (_, queued) in enumerate(self.prefills):
+            if queued is victim:
+                del self.prefills[i]
+                break
+        if victim.first_token is not None and victim.first_token > now:  # its prefill had not finished
+            victim.first_token = None
+        victim.resumed = victim.first_token is not None
+        self._queued += 1
+        heapq.heappush(self.waiting, (engine_priority(victim.priority), self._queued, victim))
+        return True
 
     def _admit(self, request: Request, now: float) -> None:
         heapq.heappush(self.running, (self.progress + request.work, request.rid, request))
@@ -145,5 +179,7 @@ class Pod:
         for k in range(at, len(self.prefills)):
             queued = self.prefills[k][1]
             self.prefills[k] = (start, queued)
-            start = queued.first_token = start + queued.prefill_s
+            start += queued.prefill_s
+            if not queued.resumed:
+                queued.first_token = start
         self.prefill_free_at = start

@@ -11,13 +11,16 @@ too. TTFT = gateway wait + pod wait + prefill.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvfleet.autoscale_replay.engine_model import EngineModel, Pod, Request
 from kvfleet.fleet.priority import Priority
+from kvfleet.fleet.slo import ClassWindow
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.operator.autoscaler import PodLoad
+from kvfleet.operator.planner import DEMAND_WINDOW_S, RECENT_WINDOW_S
 
 AGING_S = GatewayConfig.aging_ms / 1000  # the gateway's default: a class waits at most this long behind the one above
 
@@ -32,6 +35,11 @@ class FleetView:
     gateway_queued: int
     arrivals_per_s: float  # over the last minute, as Prometheus rate(...[1m]) would give it
     concurrency: tuple[int, ...] = ()  # requests in the system (pods and queue) at each of the last 60 seconds
+    # What the gateways count per class over the last minute (kvfleet/fleet/slo.py). Here a request's output tokens
+    # are counted when it arrives (the gateway counts them with its answer; the planner uses their mean).
+    classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)
+    cold_start_s: float | None = None  # as the operator measures it
+    recent_classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)  # as classes, the last 15 s
 
 
 class Policy(Protocol):
@@ -59,14 +67,18 @@ class Fleet:
     """Engine pods behind a gateway that routes to the least-loaded ready pod and queues while all are saturated."""
 
     def __init__(self, engine: EngineModel, replicas: int, saturation_waiting: int = 5,
-                 saturation_kv: float = 0.8, queue_caps: dict[Priority, int] | None = None) -> None:
+                 saturation_kv: float = 0.8, queue_caps: dict[Priority, int] | None = None,
+                 critical_first: bool = True) -> None:
         self.engine, self.saturation_waiting, self.saturation_kv = engine, saturation_waiting, saturation_kv
+        self.critical_first = critical_first
         self.queue_caps = queue_caps
         self.pods = [Pod(engine, 0.0) for _ in range(replicas)]
         self.queue: list[tuple[float, int, Request]] = []  # heap by (the gateway's score, arrival order)
         self.queued_by_class = dict.fromkeys(Priority, 0)
         self.arrivals_per_second: list[int] = []
         self.concurrency: list[int] = []
+        # per second and class: [arrivals, prompt tokens, output tokens, shed]
+        self.class_seconds: list[dict[Priority, list[int]]] = []
 
     @property
     def replicas(self) -> int:
@@ -78,7 +90,14 @@ class Fleet:
     def view(self, now: float) -> FleetView:
         recent = self.arrivals_per_second[-60:]
         return FleetView(now, self.replicas, tuple(p.metrics(now) for p in self.ready_pods(now)), len(self.queue),
-                         sum(recent) / max(1, len(recent)), tuple(self.concurrency[-60:]))
+                         sum(recent) / max(1, len(recent)), tuple(self.concurrency[-60:]), self.class_windows(),
+                         float(self.engine.cold_start_s), self.class_windows(int(RECENT_WINDOW_S)))
+
+    def class_windows(self, window_s: int = int(DEMAND_WINDOW_S)) -> dict[Priority, ClassWindow]:
+        recent = self.class_seconds[-window_s:]
+        sums = {p: [sum(s[p][k] for s in recent) for k in range(4)] for p in Priority}
+        return {p: ClassWindow(float(max(1, len(recent))), a, pt, a, ot, shed, queued=self.queued_by_class[p])
+                for p, (a, pt, ot, shed) in sums.items()}
 
     def scale_to(self, desired: int, now: float) -> None:
         """New pods start cold; removal takes pods not yet ready first, then the least-loaded, which drain."""
@@ -95,6 +114,13 @@ class Fleet:
     def step(self, now: float, arrivals: list[Request]) -> None:
         """One second: route the gateway's queue (in its order) and the new arrivals, then serve."""
         self.arrivals_per_second.append(len(arrivals))
+        counts = {p: [0, 0, 0, 0] for p in Priority}
+        for r in arrivals:
+            c = counts[r.priority]
+            c[0] += 1
+            c[1] += r.prompt_tokens
+            c[2] += r.output_tokens
+        self.class_seconds.append(counts)
         scraped = [(p, p.metrics(now)) for p in self.ready_pods(now)]
         sent: list[list[tuple[float, Request]]] = [[] for _ in scraped]
         heap = [(m.running + m.waiting, k) for k, (_, m) in enumerate(scraped)]
@@ -102,7 +128,14 @@ class Fleet:
         pending = [(now, r) for _, _, r in sorted(self.queue)] + [(r.arrival, r) for r in arrivals]
         self.queue.clear()
         self.queued_by_class = dict.fromkeys(Priority, 0)
+        critical = [self._critical_outstanding(pod, now) for pod, _ in scraped]
         for at, request in pending:
+            if self.critical_first and request.priority is Priority.CRITICAL and critical:
+                k = min(range(len(critical)), key=lambda i: (critical[i], scraped[i][1].running + len(sent[i])))
+                if critical[k] < self.saturation_waiting:  # it waits there only behind critical requests
+                    sent[k].append((at, request))
+                    critical[k] += 1
+                    continue
             while heap and self._saturated(*scraped[heap[0][1]], len(sent[heap[0][1]]), now):
                 heapq.heappop(heap)  # saturated pods stay so until the next scrape
             if not heap:  # and once one request waits, every later one does: nobody overtakes the queue
@@ -118,12 +151,20 @@ class Fleet:
         self.pods = [p for p in self.pods if not (p.draining and p.load == 0)]
         self.concurrency.append(sum(p.load for p in self.pods) + len(self.queue))
 
+    @staticmethod
+    def _critical_outstanding(pod: Pod, now: float) -> int:
+        """Critical requests a pod has not yet begun to prefill: all a new critical request would wait behind."""
+        waiting = sum(1 for _, _, r in pod.waiting if r.priority is Priority.CRITICAL)
+        return waiting + sum(1 for start, r in pod.prefills if start > now and r.priority is Priority.CRITICAL)
+
     def _hold(self, request: Request) -> None:
         """Queue the request, or shed it: sheddable traffic never waits, and a full class takes no more."""
         cap = self.queue_caps.get(request.priority) if self.queue_caps else None
         full = cap is not None and self.queued_by_class[request.priority] >= cap
         if request.priority is Priority.SHEDDABLE or full:
             request.shed = True
+            if self.class_seconds:
+                self.class_seconds[-1][request.priority][3] += 1
             return
         self.queued_by_class[request.priority] += 1
         heapq.heappush(self.queue, (request.arrival + request.priority.rank * AGING_S, request.rid, request))

@@ -19,7 +19,8 @@ class KvfleetPolicy:
         self.policy, self.state = policy, AutoscalerState()
 
     def desired(self, view: FleetView) -> int:
-        obs = Observation(view.time, view.replicas, view.pods, view.gateway_queued)
+        obs = Observation(view.time, view.replicas, view.pods, view.gateway_queued, view.classes, view.cold_start_s,
+                          view.recent_classes)
         return recommend(obs, self.policy, self.state).desired
 
 

@@ -58,7 +58,8 @@ def reactive(name: str, settings: Settings) -> tuple[Callable[[], Policy], int]:
 def requests_of(trace: Trace, engine: EngineModel) -> list[Request]:
     """Fresh simulated requests for the trace's rows (a simulation marks them as it serves them)."""
     return [Request(k, r.t, r.prompt_tokens / engine.prefill_tokens_per_s, r.output_tokens / MEAN_OUTPUT_TOKENS,
-                    r.priority) for k, r in enumerate(trace.rows)]
+                    r.priority, prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens)
+            for k, r in enumerate(trace.rows)]
 
 
 def run_policy(trace: Trace, name: str, settings: Settings) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfleet.fleet.metrics import (
+    DECODE_TOKENS_PER_SECOND_FULL_BATCH,
     LOAD_SIGNALS,
     MAX_NUM_SEQS,
     PREFILL_TOKENS_PENDING,
@@ -29,12 +30,13 @@ class EngineLoad:
     prefill_tokens_pending: int = 0  # kvfleet engines only, as the next one
     prefill_tokens_per_second: float | None = None  # None: not exported or not measured yet
     request_slot_seconds: float | None = None  # as the previous
+    decode_tokens_per_second_full_batch: float | None = None  # as the previous
 
 
 # What the gateway asks for: /metrics?name[]=... (kvfleet engines and vLLM's prometheus_client handler both
 # filter on it), so an engine renders a few lines instead of every histogram, ten times a second.
 WANTED = (*(n for names in LOAD_SIGNALS.values() for n in names), MAX_NUM_SEQS, PREFILL_TOKENS_PENDING,
-          PREFILL_TOKENS_PER_SECOND, REQUEST_SLOT_SECONDS)
+          PREFILL_TOKENS_PER_SECOND, REQUEST_SLOT_SECONDS, DECODE_TOKENS_PER_SECOND_FULL_BATCH)
 METRICS_QUERY = "&".join(f"name[]={n}" for n in WANTED)
 
 
@@ -80,4 +82,5 @@ def parse_engine_load(text: str) -> EngineLoad:
     rate = found.get(PREFILL_TOKENS_PER_SECOND, 0.0)
     return EngineLoad(min(max(values["kv_cache_usage"], 0.0), 1.0), int(values["num_waiting"]),
                       int(values["num_running"]), capacity, max(0, int(found.get(PREFILL_TOKENS_PENDING, 0))),
-                      rate or None, found.get(REQUEST_SLOT_SECONDS, 0.0) or None)
+                      rate or None, found.get(REQUEST_SLOT_SECONDS, 0.0) or None,
+                      found.get(DECODE_TOKENS_PER_SECOND_FULL_BATCH, 0.0) or None)

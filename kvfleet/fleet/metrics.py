@@ -16,6 +16,9 @@ MAX_NUM_SEQS = "kvfleet_max_num_seqs"  # kvfleet engines export it; vLLM's metri
 PREFILL_TOKENS_PENDING = "kvfleet_prefill_tokens_pending"
 PREFILL_TOKENS_PER_SECOND = "kvfleet_prefill_tokens_per_second"
 REQUEST_SLOT_SECONDS = "kvfleet_request_slot_seconds"  # how long a request holds a batch slot (moving average)
+# For the autoscaler's capacity model: decode tokens/s the engine would give at a full batch (max_num_seqs), from its
+# measured step times (0 until measured).
+DECODE_TOKENS_PER_SECOND_FULL_BATCH = "kvfleet_decode_tokens_per_second_full_batch"
 
 # vLLM's names for the same signals (vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc).
 VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"

@@ -94,6 +94,12 @@ def grants_channel(fleet: str, gateway_id: str) -> str:
     return grants_prefix(fleet) + gateway_id
 
 
+def slo_slot_key(fleet: str, slot_start: int) -> str:
+    """Hash: `<class>:<counter>` -> what every gateway replica counted of that class in the slot starting at this
+    Unix second (kvfleet/fleet/slo_stats.py: the counters, the slot length, its TTL)."""
+    return key_prefix(fleet) + f"slo:{slot_start}"
+
+
 def rate_limit_key(fleet: str, key_id: str) -> str:
     """Hash of one API key's usage, fields `r:<unix second>` (requests) and `t:<unix second>` (tokens)."""
     return key_prefix(fleet) + f"ratelimit:{key_id}"
