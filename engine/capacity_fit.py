@@ -50,6 +50,7 @@ class DecodeStepFit:
     step_seconds: dict[int, float] = field(default_factory=dict)  # batch size -> moving average
     steps: dict[int, int] = field(default_factory=dict)  # batch size -> steps seen
     tokens_per_s: float = 0.0  # 0 until two batch sizes have been seen
+    per_sequence_s: float = 0.0  # the fitted line's slope: what one more decoding sequence adds to a step
     added: int = 0
 
     def add(self, batch: int, seconds: float) -> None:
@@ -64,4 +65,6 @@ class DecodeStepFit:
 
     def refit(self) -> None:
         points = [(x, y, min(self.steps[x], MAX_WEIGHT)) for x, y in self.step_seconds.items()]
-        self.tokens_per_s = full_batch_tokens_per_s(fit_line(points), self.max_num_seqs)
+        line = fit_line(points)
+        self.tokens_per_s = full_batch_tokens_per_s(line, self.max_num_seqs)
+        self.per_sequence_s = line[1] if line else 0.0

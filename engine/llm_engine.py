@@ -219,11 +219,15 @@ class LLMEngine:
         return outputs
 
     def _measure_prefill(self, plan, seconds: float) -> None:  # noqa: ANN001 - scheduler.SchedulerOutput
-        """Prompt tokens computed per second in steps that computed at least a block of them (a moving average)."""
+        """Prompt tokens computed per second in steps that computed at least a block of them (a moving average). In a
+        step that also decoded, the decoding sequences' own share of it (the decode fit's per-sequence time) is not
+        counted as prefill time; the step's fixed cost is (a prompt would pay it alone)."""
         self.prefill_tokens_pending = self.scheduler.prefill_tokens_pending()
         prefill = sum(n for _, n in plan.scheduled if n > 1)
-        if prefill >= self.config.block_size and seconds > 0:
-            rate = prefill / seconds
+        decoding = sum(1 for _, n in plan.scheduled if n == 1)
+        spent = seconds - decoding * self.decode_fit.per_sequence_s
+        if prefill >= self.config.block_size and spent > 0.5 * seconds > 0:  # a fit that says otherwise is noise
+            rate = prefill / spent
             self.prefill_rate = rate if not self.prefill_rate else 0.7 * self.prefill_rate + 0.3 * rate
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:

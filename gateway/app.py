@@ -30,6 +30,7 @@ from kvfleet.fleet.openai_schema import RequestSchemaError, parse_json, validate
 from kvfleet.fleet.priority import DEFAULT_PRIORITY, Priority, forwarded_engine_priority, parse_priority
 from kvfleet.gateway.access import Tenant, TenantCharge, admit_key, authenticate, request_tenant
 from kvfleet.gateway.admission import Action, admit
+from kvfleet.gateway.class_grant import class_ceiling, class_refusal
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.fleet_queue import FleetQueue, Outcome
@@ -217,13 +218,18 @@ class Gateway:
                             on_queue: Callable[[float], Awaitable[None]] | None = None,
                             stream_usage: bool = True) -> Admitted:
         """Everything the gateway decides before a request goes to an engine, whatever carries its bytes (this
-        proxy or Envoy): the key, the strict schema, rpm/tpm, the trust rule on priority, and the admission verdict
-        with its wait in the fleet queue. APIError for a refusal or a shed; `on_queue(max_queue_ms)` is told
-        before a wait in the queue. The body is read only once the headers pass. `stream_usage` False: nothing will
-        read a stream's usage chunk (an Envoy without kvfleet's Lua filter), so the engine is not asked for it."""
+        proxy or Envoy): the key, the class it may claim, the strict schema, rpm/tpm, the trust rule on priority,
+        and the admission verdict with its wait in the fleet queue. APIError for a refusal or a shed;
+        `on_queue(max_queue_ms)` is told before a wait in the queue. The body is read only once the headers pass.
+        `stream_usage` False: nothing will read a stream's usage chunk (an Envoy without kvfleet's Lua filter), so
+        the engine is not asked for it."""
         arrived_at = time.monotonic()  # its time to first token counts from here
         max_queue_ms = self._max_queue_ms(request_headers.get(headers.MAX_QUEUE_MS))
         key = authenticate(self.keys, request_headers)
+        # before any count: a refused claim is no arrival of its class (SLO counts, tenants, the queue)
+        refusal = class_refusal(priority, class_ceiling(key, self.config.max_class), self.keys is not None)
+        if refusal is not None:
+            raise refusal
         tenant = request_tenant(key, request_headers, self.config.tenant_max_queued, self.config.tenant_max_inflight)
         self.tenant_metrics.arrived(tenant.name)
         raw = await read_body()

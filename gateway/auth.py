@@ -2,12 +2,13 @@
 
 Key lines (a file, or each value of a Kubernetes Secret) read
 `<key or sha256:<64 hex>> [name=N] [rpm=N] [tpm=N] [weight=W] [max_queued=N] [max_inflight=N]
-[allow_priority=true|false]`; `#` at a line's start or after a space starts a comment (a key cannot start with `#`
-or hold spaces).
+[allow_priority=true|false] [max_class=critical|standard|sheddable]`; `#` at a line's start or after a space starts
+a comment (a key cannot start with `#` or hold spaces).
 A key's name is its tenant in the fleet queue's fair share, `weight` its share (default 1), `max_queued` and
 `max_inflight` its tenant's caps on requests waiting in the fleet queue and admitted but unfinished (default: the
 gateway's --tenant-max-queued / --tenant-max-inflight); keys with the same name are one tenant, so they must give
-the same weight and caps.
+the same weight and caps. `max_class` is the highest class (`x-kvfleet-priority`) the key may claim (default: the
+gateway's --max-class; gateway/class_grant.py refuses more).
 Hash a key for the file with `printf %s "$KEY" | sha256sum`.
 """
 
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfleet.fleet.headers import API_KEY, AUTHORIZATION
+from kvfleet.fleet.headers import API_KEY, AUTHORIZATION, PRIORITY
+from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
 
 HASH_PREFIX = "sha256:"
 LIMIT_OPTIONS = ("rpm", "tpm")
@@ -46,6 +48,7 @@ class KeyInfo:
     weight: float = 1.0  # its tenant's (its name's) share of the fleet queue, relative to other tenants
     max_queued: int | None = None  # its tenant's caps (None: the gateway's defaults)
     max_inflight: int | None = None
+    max_class: Priority | None = None  # the highest class it may claim (None: the gateway's --max-class)
 
 
 def hash_key(key: str) -> str:
@@ -75,17 +78,17 @@ def parse_key_lines(
 def _parse_line(line: str, default_rpm: int | None, default_tpm: int | None) -> tuple[str, KeyInfo]:
     first, *options = line.split()
     if "=" in first and first.split("=", 1)[0] in ("name", "weight", *LIMIT_OPTIONS, *TENANT_CAP_OPTIONS,
-                                                   *BOOLEAN_OPTIONS):
+                                                   *BOOLEAN_OPTIONS, "max_class"):
         raise ValueError(f"the key must come first, before {first.split('=', 1)[0]}=")
     digest = _digest_of(first)
     settings: dict[str, Any] = {"name": digest[:12], "rpm": default_rpm, "tpm": default_tpm, "allow_priority": False,
-                                "weight": 1.0, "max_queued": None, "max_inflight": None}
+                                "weight": 1.0, "max_queued": None, "max_inflight": None, "max_class": None}
     seen: set[str] = set()
     for option in options:
         field, sep, value = option.partition("=")
         if not sep or field not in settings:
             raise ValueError(f"unknown option {option!r}; expected name=, rpm=, tpm=, weight=, max_queued=, "
-                             "max_inflight= or allow_priority=")
+                             "max_inflight=, allow_priority= or max_class=")
         if field in seen:
             raise ValueError(f"{field}= is given twice")
         if not value:
@@ -97,6 +100,8 @@ def _parse_line(line: str, default_rpm: int | None, default_tpm: int | None) -> 
             settings[field] = _parse_weight(value)
         elif field in BOOLEAN_OPTIONS:
             settings[field] = _parse_boolean(field, value)
+        elif field == "max_class":
+            settings[field] = _parse_class(value)
         else:
             settings[field] = _parse_limit(field, value)
     return digest, KeyInfo(key_id=digest[:12], **settings)
@@ -121,6 +126,14 @@ def _parse_boolean(field: str, value: str) -> bool:
     if value.lower() not in ("true", "false"):
         raise ValueError(f"{field}={value} must be true or false")
     return value.lower() == "true"
+
+
+def _parse_class(value: str) -> Priority:
+    try:
+        return Priority(value.lower())
+    except ValueError:
+        raise ValueError(f"max_class={value} must be one of {PRIORITY_NAMES} (the highest {PRIORITY} the key may "
+                         "send; default: the gateway's --max-class)") from None
 
 
 def _parse_weight(value: str) -> float:

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from kvfleet.fleet.engine_settings import ENGINE_API_KEY_ENV
-from kvfleet.fleet.headers import MAX_QUEUE_MS
+from kvfleet.fleet.headers import MAX_QUEUE_MS, PRIORITY
 from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import Priority, engine_priority
@@ -105,9 +105,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("access control")
     a.add_argument("--api-keys-file", default=None,
                    help="one key per line: <key or sha256:<hex>> [name=N] [rpm=N] [tpm=N] "
-                        "[weight=W] [allow_priority=true]")
+                        "[weight=W] [allow_priority=true] [max_class=critical|standard|sheddable]")
     a.add_argument("--api-keys-secret", default=None, metavar="NAMESPACE/NAME",
                    help="read the keys from a Kubernetes Secret (same line format in each value)")
+    a.add_argument("--max-class", choices=[c.value for c in Priority], default=d0.max_class.value,
+                   help=f"the highest class ({PRIORITY}) a request may claim when its API key sets no max_class= (and "
+                        "every request without API keys); above it: 403. standard keeps the critical class, which "
+                        "goes first in the queue and the engines, for the keys granted max_class=critical")
     a.add_argument("--rpm-per-key", type=int, default=None, help="default requests per minute per key")
     a.add_argument("--tpm-per-key", type=int, default=None, help="default tokens per minute per key")
     a.add_argument("--max-body-bytes", type=int, default=d0.max_body_bytes)
@@ -152,7 +156,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tenant_metrics_top=args.tenant_metrics_top,
         eject_after_failures=args.eject_after_failures, eject_seconds=args.eject_seconds,
         max_body_bytes=args.max_body_bytes, forward_priority=args.forward_priority,
-        critical_first=args.critical_first,
+        critical_first=args.critical_first, max_class=Priority(args.max_class),
         api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,
         rpm_per_key=args.rpm_per_key, tpm_per_key=args.tpm_per_key, engine_api_key=args.engine_api_key,
         enable_docs=args.enable_docs, data_plane=args.data_plane, picker_port=args.picker_port,

@@ -9,7 +9,7 @@ from kvfleet.fleet.body_limit import DEFAULT_MAX_BODY_BYTES
 from kvfleet.fleet.engine_settings import ENGINE_API_KEY_ENV
 from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
-from kvfleet.fleet.priority import Priority
+from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
 from kvfleet.gateway.fair_order import QUEUE_POLICIES
 from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
 from kvfleet.gateway.strategies import STRATEGIES
@@ -60,6 +60,8 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     forward_priority: bool = True  # set the body's `priority` (vLLM semantics) from the class
     critical_first: bool = True  # critical requests route past a saturated fleet while an engine has room for them
+    # the highest class a request may claim when its key sets no max_class (every request without API keys)
+    max_class: Priority = Priority.CRITICAL
     api_keys_file: str | None = None
     api_keys_secret: str | None = None  # namespace/name of a Kubernetes Secret
     rpm_per_key: int | None = None
@@ -107,6 +109,10 @@ class GatewayConfig:
             raise ValueError("--engine-unreachable-after must be at least 1 second (one scrape timeout)")
         if self.engine_api_key is not None and (not self.engine_api_key or not self.engine_api_key.isprintable()):
             raise ValueError(f"--engine-api-key ({ENGINE_API_KEY_ENV}) must be non-empty printable text")
+        try:
+            self.max_class = Priority(self.max_class)
+        except ValueError:
+            raise ValueError(f"--max-class must be one of {PRIORITY_NAMES}, not {self.max_class!r}") from None
         if self.api_keys_file and self.api_keys_secret:
             raise ValueError("use either --api-keys-file or --api-keys-secret, not both")
         if not 0 <= self.tenant_metrics_top <= MAX_TENANT_METRICS_TOP:

@@ -255,7 +255,9 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
                        policy.planner_utilization, obs.recent_classes)
         kv_cache_usage_avg = sum(kv_values) / len(kv_values) if kv_values else None
         queue = (sum(waiting) + obs.gateway_queued) / max(current, 1)
-        desired, reason = _idle(max(1, math.ceil(planned.pods - 1e-9)), planned.reason, now, level, policy, state)
+        raw = max(1, math.ceil(planned.pods - 1e-9))
+        direction = "up" if raw > current else "down" if raw < current else "hold"
+        desired, reason = _idle(raw, f"{direction}: {planned.reason}", now, level, policy, state)
     else:
         raw, kv_cache_usage_avg, queue = _signal_desired(len(with_metrics), kv_values, waiting, missing,
                                                          obs.gateway_queued, policy)

@@ -241,4 +241,4 @@ def test_the_slo_planner_sizes_a_fleet_from_the_gateways_counts_and_the_engines_
     auto = fleet["status"]["autoscaler"]
     assert auto["planner"]["capacity"] == {"prefillTokensPerSecond": 480.0, "decodeTokensPerSecond": 116.0}
     [entry] = fleet["status"]["scalingHistory"]
-    assert entry["reason"].startswith("plan") and 2.4 < entry["plan"]["workPods"]["standard"] < 2.6
+    assert entry["reason"].startswith("up: plan") and 2.4 < entry["plan"]["workPods"]["standard"] < 2.6

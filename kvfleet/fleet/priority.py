@@ -5,7 +5,8 @@ engine admits and preempts by an integer, vLLM's semantics, lower first. `engine
 
 The trust rule (`forwarded_engine_priority`), what each source may set:
 - the header `x-kvfleet-priority`, from any client: the class, which decides where the request waits in the
-  gateway's queue and whether it is shed; absent means standard.
+  gateway's queue and whether it is shed; absent means standard. A class above the client's API key's max_class,
+  else the gateway's --max-class (default critical: anyone), is refused with 403 (gateway/class_grant.py).
 - an API key marked `allow_priority=true`: also the engine's integer `priority` in the body, passed on as sent.
 - a body `priority` from any other client (a key without allow_priority, or a gateway without API keys): nothing;
   it is dropped, and the engine's priority comes from the class when the gateway forwards it.
