@@ -55,9 +55,10 @@ class Peer:
         out = subprocess.run([str(self.venv / "bin" / "python"), "-c", script], capture_output=True, text=True)
         return out.stdout.strip() or None
 
-    def argv(self, engine_urls: list[str], port: int | str, metrics_port: int | str) -> list[str]:
+    def argv(self, engine_urls: list[str], port: int | str, metrics_port: int | str, policy: str = "round_robin"
+             ) -> list[str]:
         return [str(self.venv / "bin" / self.command[0]), *self.command[1:], "--host", "127.0.0.1",
-                "--port", str(port), "--worker-urls", *engine_urls, "--policy", "round_robin",
+                "--port", str(port), "--worker-urls", *engine_urls, "--policy", policy,
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), *self.extra]
 
 
@@ -75,7 +76,10 @@ def installed_peers() -> list[str]:
 
 
 def install(peer: Peer) -> None:
-    """A fresh venv with the pinned requirement; pip's output on failure."""
+    """A fresh venv with the pinned requirement (nothing to do when the pinned version is there); pip's output on
+    failure."""
+    if peer.version() == peer.requirement.split("==")[1]:
+        return
     subprocess.run([sys.executable, "-m", "venv", str(peer.venv)], check=True)
     subprocess.run([str(peer.venv / "bin" / "pip"), "install", "-q", peer.requirement], check=True)
 
@@ -92,10 +96,11 @@ def answers_chat(url: str, model: str) -> bool:
         return False
 
 
-def start(peer: Peer, engine_urls: list[str], model: str, log_dir: Path, timeout_s: float = 60.0) -> Child:
+def start(peer: Peer, engine_urls: list[str], model: str, log_dir: Path, timeout_s: float = 60.0,
+          policy: str = "round_robin") -> Child:
     """The router in front of the engines, once it answers a completion; its log's end if it exits or never does."""
     port = free_port()
-    child = spawn_child(peer.name, peer.argv(engine_urls, port, free_port()), url=f"http://127.0.0.1:{port}",
+    child = spawn_child(peer.name, peer.argv(engine_urls, port, free_port(), policy), url=f"http://127.0.0.1:{port}",
                         log_dir=log_dir)
     try:
         child.wait_ready(lambda: answers_chat(child.url, model), timeout_s, poll_s=0.3)

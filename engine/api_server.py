@@ -38,9 +38,10 @@ from kvfleet.engine.protocol import (
     check_against_model,
     sampling_params,
 )
-from kvfleet.engine.request_checks import StrictJSONRoute, check_prompt_chars
+from kvfleet.engine.request_checks import StrictJSONRoute, check_model_name, check_prompt_chars
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import QueueFullError
+from kvfleet.engine.sglang_compat_api import install_sglang_compat_routes
 from kvfleet.engine.vllm_compat_api import install_vllm_compat_routes
 from kvfleet.fleet.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvfleet.fleet.errors import APIError, engine_fault, install_error_handlers
@@ -117,9 +118,13 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
     install_error_handlers(app)
     install_engine_fault_handlers(app)
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    @app.get("/health", responses={503: {"description": "loading"}})
+    async def health() -> JSONResponse:
+        # As vLLM's: 200 once the model can serve (routers in front register a worker the moment it answers);
+        # Kubernetes' startup probe waits on it meanwhile, and draining stays alive until it ends.
+        if state.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/ready", responses={503: {"description": "loading or draining"}})
     async def ready() -> JSONResponse:
@@ -143,6 +148,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
     if state.kv_events_sse:
         install_kv_event_routes(app, state)
     install_vllm_compat_routes(app, state)
+    install_sglang_compat_routes(app, state)
     app.router.add_event_handler("startup", state.vllm_kv_events.start)
     app.router.add_event_handler("shutdown", state.vllm_kv_events.stop)
 
@@ -159,8 +165,12 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = _params(body, max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which this engine does not "
+                           "compute; send one of them", param="echo")
+        echo = await asyncio.to_thread(_echo_texts, engine, prompts, body.skip_special_tokens) if body.echo else []
         streams = await _start_choices(state, engine, prompts, params, body.n, request_id, body.priority)
-        reply = Reply(request_id, state.model_name, engine.engine.tokenizer, body.n)
+        reply = Reply(request_id, state.model_name, engine.engine.tokenizer, body.n, echo=echo)
         if body.stream:
             return sse(completion_events(reply, streams, _include_usage(body)))
         return await _unless_disconnected(request, completion_body(reply, streams))
@@ -174,7 +184,8 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             check_prompt_chars(sum(len(m["content"]) for m in messages), engine.engine.max_model_len,
                                engine.engine.tokenizer.max_token_chars, "messages")
-            prompt = await asyncio.to_thread(engine.engine.tokenizer.apply_chat_template, messages)
+            prompt = await asyncio.to_thread(engine.engine.tokenizer.apply_chat_template, messages, True,
+                                             body.continue_final_message)
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         max_tokens = body.effective_max_tokens()
@@ -183,7 +194,9 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
         params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _start_choices(state, engine, [prompt], params, body.n, request_id, body.priority)
-        reply = Reply(request_id, state.model_name, engine.engine.tokenizer, body.n)
+        last = messages[-1]
+        echo = [last["content"]] if body.echo and last["role"] == "assistant" else []
+        reply = Reply(request_id, state.model_name, engine.engine.tokenizer, body.n, echo=echo)
         if body.stream:
             return sse(chat_events(reply, streams, _include_usage(body)))
         return await _unless_disconnected(request, chat_body(reply, streams))
@@ -224,9 +237,7 @@ def _check_model(state: ServerState, body: SamplingRequest) -> None:
         if described not in _LOGGED_UNKNOWN and len(_LOGGED_UNKNOWN) < _MAX_LOGGED_UNKNOWN:
             _LOGGED_UNKNOWN.add(described)
             log.warning("ignored unknown request fields (logged once per set of names): %s", described)
-    if body.model is not None and body.model != state.model_name:
-        raise APIError(404, f"The model `{body.model[:200]}` does not exist; this engine serves "
-                       f"`{state.model_name}`", param="model", code="model_not_found")
+    check_model_name(state.model_name, body.model)
 
 
 def _check_request(engine: AsyncEngine, body: SamplingRequest, num_prompts: int) -> None:
@@ -243,6 +254,14 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     if len(prompt) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
     return list(prompt)
+
+
+def _echo_texts(engine: AsyncEngine, prompts: list[str | list[int]], skip_special_tokens: bool) -> list[str]:
+    """The prompts as echo repeats them: text as sent, token ids decoded (ids outside the vocabulary are left to the
+    engine, which refuses them with a 400 before anything runs)."""
+    tokenizer, vocab = engine.engine.tokenizer, engine.engine.model_config.vocab_size
+    return [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=skip_special_tokens)
+            if all(0 <= t < vocab for t in p) else "" for p in prompts]
 
 
 def _params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:

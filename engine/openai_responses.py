@@ -28,6 +28,10 @@ class Reply:
     tokenizer: Tokenizer
     n: int = 1  # choices per prompt: choice i answers prompt i // n
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: list[str] = field(default_factory=list)  # per prompt, the text each of its choices starts with
+
+    def echoed(self, choice: int) -> str:
+        return self.echo[choice // self.n] if self.echo else ""
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -91,7 +95,8 @@ async def _collect_all(streams: list[AsyncIterator[RequestOutput]]) -> list:
 
 async def completion_body(reply: Reply, streams: list[AsyncIterator[RequestOutput]]) -> dict:
     results = await _collect_all(streams)
-    choices = [{"index": i, "text": text, "logprobs": completion_logprobs(reply, token_ids, logprobs),
+    choices = [{"index": i, "text": reply.echoed(i) + text,
+                "logprobs": completion_logprobs(reply, token_ids, logprobs),
                 "finish_reason": out.finish_reason} for i, (out, text, token_ids, logprobs) in enumerate(results)]
     return {"id": reply.request_id, "object": "text_completion", "created": reply.created, "model": reply.model,
             "choices": choices, "usage": usage(reply, [r[0] for r in results])}
@@ -99,7 +104,7 @@ async def completion_body(reply: Reply, streams: list[AsyncIterator[RequestOutpu
 
 async def chat_body(reply: Reply, streams: list[AsyncIterator[RequestOutput]]) -> dict:
     results = await _collect_all(streams)
-    choices = [{"index": i, "message": {"role": "assistant", "content": text},
+    choices = [{"index": i, "message": {"role": "assistant", "content": reply.echoed(i) + text},
                 "logprobs": chat_logprobs(reply, token_ids, logprobs), "finish_reason": out.finish_reason}
                for i, (out, text, token_ids, logprobs) in enumerate(results)]
     return {"id": reply.request_id, "object": "chat.completion", "created": reply.created, "model": reply.model,
@@ -170,6 +175,11 @@ async def completion_events(reply: Reply, streams: list[AsyncIterator[RequestOut
                             include_usage: bool) -> AsyncIterator[dict]:
     finals: dict[int, RequestOutput] = {}
     offsets = [0] * len(streams)
+    for index in range(len(streams)):
+        if reply.echoed(index):  # as vLLM streams an echo: the prompt in a chunk of its own, first
+            yield {"id": reply.request_id, "object": "text_completion", "created": reply.created,
+                   "model": reply.model, "choices": [{"index": index, "text": reply.echoed(index), "logprobs": None,
+                                                      "finish_reason": None}]}
     async for index, out in merged(streams):
         if out.finish_reason == "error":
             yield _engine_failure(out)
@@ -195,7 +205,7 @@ async def chat_events(reply: Reply, streams: list[AsyncIterator[RequestOutput]],
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
     for index in range(len(streams)):
-        yield chunk(index, {"role": "assistant", "content": ""}, None)
+        yield chunk(index, {"role": "assistant", "content": reply.echoed(index)}, None)
     finals: dict[int, RequestOutput] = {}
     async for index, out in merged(streams):
         if out.finish_reason == "error":

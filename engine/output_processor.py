@@ -28,7 +28,8 @@ class RequestState:
         self.seq = seq
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids,
+                                                  seq.sampling_params.skip_special_tokens)
         self.text = ""
         self.sent_chars = 0
         self.sent_tokens = 0
@@ -58,7 +59,8 @@ class RequestState:
         if params.stop and new_text:
             found = find_stop_string(self.text, len(new_text), params.stop)
             if found is not None:
-                self.text = self.text[: found[0]]
+                index, stop = found
+                self.text = self.text[: index + len(stop) if params.include_stop_str_in_output else index]
                 self.finish("stop", stop_reason=found[1])
                 return
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -3,18 +3,21 @@ SamplingParams."""
 
 from __future__ import annotations
 
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.fleet.openai_schema import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    Int64,
     RequestSchemaError,
     SamplingRequest,
     StreamOptions,
 )
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "RequestSchemaError", "SamplingRequest",
-           "StreamOptions", "check_against_model", "sampling_params"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "RequestSchemaError",
+           "SamplingRequest", "StreamOptions", "TokenizeRequest", "check_against_model", "sampling_params"]
 
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_CHOICES = 128  # prompts x n in one request: each is an engine request
@@ -40,6 +43,9 @@ def check_against_model(body: SamplingRequest, vocab_size: int, num_prompts: int
         if not -100.0 <= value <= 100.0:
             raise RequestSchemaError(f"logit_bias values must be in [-100, 100], got {value} for token {key}",
                                      "logit_bias")
+    if body.return_hidden_states:
+        raise RequestSchemaError("return_hidden_states: this engine does not return hidden states; send false or "
+                                 "leave it out", "return_hidden_states")
     if 1 <= body.n <= MAX_CHOICES < num_prompts * body.n:
         raise RequestSchemaError(f"prompts x n must be at most {MAX_CHOICES}, got {num_prompts} x {body.n}", "n")
 
@@ -63,9 +69,34 @@ def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None
             logprobs=logprobs,
             n=body.n,
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
         )
     except ValueError as err:  # SamplingParams' messages start with the field's name
         message = str(err)
         field = message.split(" ", 1)[0].removesuffix("[]")
         raise RequestSchemaError(message, field if field in SamplingRequest.model_fields or field in (
             "max_tokens", "logprobs") else None) from err
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a prompt, or chat messages rendered with the model's template (exactly one)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: StrictBool = True  # for a prompt; a chat template writes its own
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: StrictStr | None = None
+    tokens: list[Int64]

@@ -15,8 +15,22 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
+from kvfleet.engine.protocol import DetokenizeRequest, TokenizeRequest
 from kvfleet.fleet.errors import APIError
-from kvfleet.fleet.openai_schema import SCHEMAS, RequestSchemaError, parse_json, validate_request
+from kvfleet.fleet.openai_schema import (
+    SCHEMAS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestSchemaError,
+    parse_json,
+    validate_request,
+)
+
+# Every route that reads a JSON body: the generation routes and the ones routers in front ask (vLLM's).
+ENGINE_SCHEMAS = SCHEMAS | {
+    "/v1/completions/render": CompletionRequest, "/v1/chat/completions/render": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+}
 
 
 def max_prompt_chars(max_model_len: int, max_token_chars: int) -> int:
@@ -43,14 +57,21 @@ class StrictJSONRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         path = self.path
-        if path not in SCHEMAS:
+        if path not in ENGINE_SCHEMAS:
             return handler
 
         async def strict_handler(request: Request) -> Response:
             try:
-                request.state.body = validate_request(path, parse_json(await request.body()))
+                request.state.body = validate_request(path, parse_json(await request.body()), ENGINE_SCHEMAS)
             except RequestSchemaError as err:
                 raise APIError(400, err.message, param=err.param) from None
             return await handler(request)
 
         return strict_handler
+
+
+def check_model_name(served: str, requested: str | None) -> None:
+    """A body's `model`, when given, must be the one this engine serves: 404 as OpenAI answers an unknown model."""
+    if requested is not None and requested != served:
+        raise APIError(404, f"The model `{requested[:200]}` does not exist; this engine serves `{served}`",
+                       param="model", code="model_not_found")

@@ -29,6 +29,8 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # how many top logprobs to return per token (0-20)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI's)
+    skip_special_tokens: bool = True  # special tokens (role markers, EOS) left out of the text
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

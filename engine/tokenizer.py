@@ -50,19 +50,30 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each token's own string in the vocabulary (byte-level pieces, as vLLM's /tokenize returns them)."""
+        return self._hf.convert_ids_to_tokens(ids)
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """The prompt token ids for a chat conversation, as the model's own template formats it."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        """The prompt token ids for a chat conversation, as the model's own template formats it; with
+        continue_final_message the last (assistant) message is left open for the model to extend."""
         if not self.has_chat_template:
             raise ValueError(
                 f"model {self.model_dir.name} has no chat template; use /v1/completions with a plain prompt"
             )
         check_messages(messages)
+        if continue_final_message and messages[-1].get("role") != "assistant":
+            raise ValueError("continue_final_message extends the last message, which must be the assistant's; "
+                             "end the messages with an assistant message or send false")
         try:
-            prompt = self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            prompt = self._hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, tokenize=False)
         except TemplateError as err:
             raise ValueError(f"the chat template of model {self.model_dir.name} rejected the messages: {err}") from err
         # The template already wrote the special tokens (BOS, role markers) it wants.

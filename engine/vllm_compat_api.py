@@ -1,10 +1,11 @@
-"""The routes a vLLM-aware router asks a vLLM pod before it routes by KV events: `GET /kv_event_sources` (where the
-ZMQ publisher listens), `GET /get_server_info` (model, instance, block size) and the render routes
-`POST /v1/completions/render`, `POST /v1/chat/completions/render` (the token ids this engine would run, so a router
-that does not tokenize itself, as vllm-router's kv_aware over HTTP, can match them against the events).
+"""The routes a vLLM-aware router asks a vLLM pod: `GET /kv_event_sources` (where the ZMQ publisher listens), the
+render routes `POST /v1/completions/render`, `POST /v1/chat/completions/render` (the token ids this engine would run,
+so a router that does not tokenize itself, as vllm-router's kv_aware over HTTP, can match them against the events),
+and `POST /tokenize`, `POST /detokenize` (vllm-router's prefix-aware policies tokenize every request this way).
+`GET /get_server_info` answers for vLLM and SGLang alike (sglang_compat_api).
 
-The discovery routes stay open like /metrics (vllm-router sends no token; they carry no prompt); render sits under
-/v1/ and needs the engine token when one is set.
+The discovery route stays open like /metrics (vllm-router sends no token; it carries no prompt); render, tokenize
+and detokenize carry prompts and need the engine token when one is set.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import uuid
 
 from fastapi import FastAPI, Request
 
-from kvfleet.engine.protocol import ChatCompletionRequest, CompletionRequest
-from kvfleet.engine.request_checks import check_prompt_chars
+from kvfleet import __version__
+from kvfleet.engine.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvfleet.engine.request_checks import check_model_name, check_prompt_chars
 from kvfleet.fleet.errors import APIError
 
 KV_EVENT_SOURCES_PATH = "/kv_event_sources"
-SERVER_INFO_PATH = "/get_server_info"
 MAX_PROMPTS = 64  # as /v1/completions
 
 
@@ -31,10 +32,9 @@ def install_vllm_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - a
             return {}  # as a vLLM pod with KV events off: no sources
         return publisher.sources(request.url.hostname or "")
 
-    @app.get(SERVER_INFO_PATH)
-    async def server_info() -> dict:
-        events = state.vllm_kv_events
-        return {"model_id": state.model_name, "instance_id": events.instance_id, "kv_block_size": events.block_size}
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}  # smg probes it to tell a vLLM server from others
 
     @app.post("/v1/completions/render")
     async def render_completion(body: CompletionRequest) -> list[dict]:
@@ -65,6 +65,42 @@ def install_vllm_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - a
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         return _rendered(state.model_name, token_ids)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        engine = state.require_engine()
+        check_model_name(state.model_name, body.model)
+        tokenizer, max_model_len = engine.engine.tokenizer, engine.engine.max_model_len
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send either prompt (text) or messages (a chat), not both or neither", param="prompt")
+        try:
+            if body.messages is not None:
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                check_prompt_chars(sum(len(m["content"]) for m in messages), max_model_len,
+                                   tokenizer.max_token_chars, "messages")
+                tokens = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt,
+                                                 body.continue_final_message)
+            else:
+                check_prompt_chars(len(body.prompt), max_model_len, tokenizer.max_token_chars, "prompt")
+                tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
+        except ValueError as err:
+            raise APIError(400, str(err), param="prompt" if body.messages is None else "messages") from err
+        strs = tokenizer.token_strs(tokens) if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        engine = state.require_engine()
+        check_model_name(state.model_name, body.model)
+        vocab, limit = engine.engine.model_config.vocab_size, engine.engine.max_model_len * MAX_PROMPTS
+        if len(body.tokens) > limit:
+            raise APIError(400, f"tokens: at most {limit} token ids per request, got {len(body.tokens)}",
+                           param="tokens")
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens.{bad} must be a token id in [0, {vocab}), got {body.tokens[bad]}",
+                           param=f"tokens.{bad}")
+        return {"prompt": await asyncio.to_thread(engine.engine.tokenizer.decode, body.tokens)}
 
 
 def _rendered(model: str, token_ids: list[int]) -> dict:

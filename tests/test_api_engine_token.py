@@ -1,5 +1,5 @@
-"""With a shared engine token (--api-key / KVFLEET_ENGINE_API_KEY), /v1/* needs `Authorization: Bearer <token>`;
-/health, /ready and /metrics stay open for probes and Prometheus."""
+"""With a shared engine token (--api-key / KVFLEET_ENGINE_API_KEY), /v1/*, /tokenize and /detokenize need
+`Authorization: Bearer <token>`; /health, /ready, /metrics and the routers' discovery routes stay open."""
 
 from __future__ import annotations
 
@@ -47,9 +47,17 @@ def test_with_the_token_the_openai_client_is_served(engine_url: str) -> None:
     assert completion.choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics"])
-def test_probes_and_metrics_stay_open(engine_url: str, path: str) -> None:
+@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/get_server_info", "/get_model_info",
+                                  "/get_load"])
+def test_probes_metrics_and_discovery_stay_open(engine_url: str, path: str) -> None:
     assert httpx.get(f"{engine_url}{path}").status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body"), [("/tokenize", {"prompt": "secret"}), ("/detokenize", {"tokens": [5]})])
+def test_routes_that_carry_prompts_need_the_token(engine_url: str, path: str, body: dict) -> None:
+    assert httpx.post(f"{engine_url}{path}", json=body).status_code == 401
+    authorized = httpx.post(f"{engine_url}{path}", json=body, headers={"authorization": f"Bearer {TOKEN}"})
+    assert authorized.status_code == 200
 
 
 def test_token_comparison() -> None:

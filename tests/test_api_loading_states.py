@@ -1,5 +1,5 @@
-"""While the model loads or the engine drains, /ready and generation routes answer 503 with Retry-After
-(the real app in-process: no model is needed to be in those states)."""
+"""While the model loads or the engine drains, /ready and generation routes answer 503 with Retry-After, and /health
+too while it loads (the real app in-process: no model is needed to be in those states)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ from fastapi.testclient import TestClient
 from kvfleet.engine.api_server import ServerState, build_app
 
 
-def test_loading_engine_is_alive_but_not_ready() -> None:
+def test_loading_engine_is_neither_healthy_nor_ready() -> None:
+    """As a vLLM pod, which does not answer until it can serve: routers in front register a worker once /health
+    says 200, and Kubernetes' startup probe waits on it."""
     client = TestClient(build_app(ServerState(model_name="m")))
-    assert client.get("/health").status_code == 200
+    health = client.get("/health")
+    assert health.status_code == 503 and health.json() == {"status": "loading"}
     ready = client.get("/ready")
     assert ready.status_code == 503 and ready.json() == {"status": "loading"}
     response = client.post("/v1/completions", json={"prompt": "hi"})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
@@ -63,6 +64,13 @@ class SamplingRequest(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[Int64] | None = None
     priority: Int64 = 0
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    # SGLang's names and no-ops, as sglang-router and smg add them to every request they forward
+    no_stop_trim: StrictBool = False  # SGLang's include_stop_str_in_output
+    return_hidden_states: StrictBool = False  # refused when true (check_against_model)
+    separate_reasoning: StrictBool = True  # no reasoning parser runs: nothing to separate or stream apart
+    stream_reasoning: StrictBool = True
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
@@ -74,6 +82,7 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictStr] | list[Int64] | list[list[Int64]]
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    echo: StrictBool = False  # the prompt before the completion's text
 
 
 class TextPart(BaseModel):
@@ -109,6 +118,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    echo: StrictBool = False  # vLLM's: the last message's content first, when it is the assistant's
+    continue_final_message: StrictBool = False  # vLLM's: extend the last (assistant) message, no new turn
+    include_reasoning: StrictBool = True  # no reasoning parser runs: a no-op
 
     @field_validator("messages")
     @classmethod
@@ -179,9 +191,9 @@ def _path(visit: _Visit) -> tuple:
     return tuple(reversed(keys))
 
 
-def validate_request(path: str, body: object) -> SamplingRequest:
+def validate_request(path: str, body: object, schemas: Mapping[str, type[BaseModel]] = SCHEMAS) -> BaseModel:
     """The strict model of body for the route path; RequestSchemaError names the first field that does not fit."""
-    schema = SCHEMAS.get(path)
+    schema = schemas.get(path)
     if schema is None:
         raise RequestSchemaError(f"no request schema for {path}; use /v1/completions or /v1/chat/completions")
     if not isinstance(body, dict):
