@@ -24,8 +24,9 @@ def install_sglang_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 -
         # As an SGLang server started on a local directory: its path, where a router on the same host can read the
         # tokenizer (smg and sglang-router try to load one; elsewhere they warn once and route without it).
         path = str(state.engine.engine.model_dir) if state.engine is not None else state.model_name
-        return {"model_path": path, "tokenizer_path": path, "served_model_name": state.model_name, "is_generation": True, "model_type": "llama",
-                "architectures": ["LlamaForCausalLM"], "preferred_sampling_params": None,
+        return {"model_path": path, "tokenizer_path": path, "served_model_name": state.model_name,
+                "is_generation": True, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                "preferred_sampling_params": None,
                 "has_image_understanding": False, "has_audio_understanding": False}
 
     def server_info() -> dict:
