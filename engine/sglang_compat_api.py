@@ -9,14 +9,14 @@ Like /metrics they stay open without the engine token: routers probe them withou
 from __future__ import annotations
 
 import time
+from importlib.metadata import version
 
 from fastapi import FastAPI
-
-from kvfleet import __version__
 
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
 LOAD_PATH = "/get_load"
+VERSION = version("kvfleet")  # the installed distribution's, as pyproject.toml declares it
 
 
 def install_sglang_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - api_server.ServerState (no cycle)
@@ -32,7 +32,7 @@ def install_sglang_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 -
     def server_info() -> dict:
         events = state.vllm_kv_events
         info = model_info() | {
-            "version": __version__, "dp_size": 1, "tp_size": 1,
+            "version": VERSION, "dp_size": 1, "tp_size": 1,
             # vLLM's discovery (vllm-router's kv_aware reads these three)
             "model_id": state.model_name, "instance_id": events.instance_id, "kv_block_size": events.block_size,
             "page_size": events.block_size}

@@ -15,9 +15,9 @@ import uuid
 
 from fastapi import FastAPI, Request
 
-from kvfleet import __version__
 from kvfleet.engine.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvfleet.engine.request_checks import check_model_name, check_prompt_chars
+from kvfleet.engine.sglang_compat_api import VERSION
 from kvfleet.fleet.errors import APIError
 
 KV_EVENT_SOURCES_PATH = "/kv_event_sources"
@@ -34,7 +34,7 @@ def install_vllm_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - a
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": __version__}  # smg probes it to tell a vLLM server from others
+        return {"version": VERSION}  # smg probes it to tell a vLLM server from others
 
     @app.post("/v1/completions/render")
     async def render_completion(body: CompletionRequest) -> list[dict]:

@@ -244,6 +244,9 @@ def _add_operator_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_operator)
 
 
+PLAIN_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # `kvfleet plan` reads request lines in it
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfleet", description="LLM serving with batching at two levels")
     parser.add_argument("--version", action="version", version=f"kvfleet {__version__}")
@@ -258,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_command(sub, "chat", "answer one chat message with the engine (streams to stdout)")
     _add_generation_command(sub, "generate", "complete one plain prompt with the engine")
     _add_bench_command(sub)
+    sub.add_parser("plan", help="size a fleet from a request log (kvfleet plan --help)", add_help=False)
     return parser
 
 
@@ -268,7 +272,7 @@ def _configure_logging(level: str, fmt: str) -> None:
 
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter(PLAIN_LOG_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
@@ -278,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvfleet.autoscale_replay.cli import main as replay_main
 
         return replay_main(argv[2:])
+    if argv[:1] == ["plan"]:
+        from kvfleet.plan.cli import main as plan_main
+
+        return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     _configure_logging(args.log_level, args.log_format)
     try:
