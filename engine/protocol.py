@@ -37,7 +37,7 @@ def check_against_model(body: SamplingRequest, vocab_size: int, num_prompts: int
         raise RequestSchemaError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(bias)}",
                                  "logit_bias")
     for key, value in bias.items():
-        if not key.isdigit() or not 0 <= int(key) < vocab_size:
+        if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < vocab_size:  # '¹'.isdigit() too
             raise RequestSchemaError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key[:32]!r}",
                                      "logit_bias")
         if not -100.0 <= value <= 100.0:

@@ -85,7 +85,7 @@ def parse_sources(body: object, engine_url: str) -> ZmqSource | None:
     if isinstance(body, dict) and isinstance(body.get("sources"), list):
         body = body["sources"]
     if isinstance(body, dict):
-        entries = [(rank, entry) for rank, entry in body.items() if rank.isdigit() and len(rank) < 6]
+        entries = [(rank, entry) for rank, entry in body.items() if rank.isascii() and rank.isdigit() and len(rank) < 6]
         entries = [entry for _, entry in sorted(entries, key=lambda item: int(item[0]))]
     elif isinstance(body, list):
         entries = sorted((e for e in body if isinstance(e, dict)),
@@ -109,7 +109,7 @@ def parse_sources(body: object, engine_url: str) -> ZmqSource | None:
 
 def _is_tcp(endpoint: object) -> bool:
     return (isinstance(endpoint, str) and len(endpoint) < 512 and endpoint.startswith("tcp://")
-            and endpoint.rpartition(":")[2].isdigit())
+            and endpoint.rpartition(":")[2].isascii() and endpoint.rpartition(":")[2].isdigit())
 
 
 def _dialable(endpoint: str, engine_host: str) -> str:

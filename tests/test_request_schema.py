@@ -35,6 +35,7 @@ REFUSED = [
     (C, {"prompt": [1, "two"]}, "prompt.1", "valid integer, got a string"),
     (C, {"prompt": [1, 2**64]}, "prompt.1", "less than"),
     (C, {"prompt": "hi", "logit_bias": {"5": "up"}}, "logit_bias.5", "got a string"),
+    (C, {"prompt": "hi", "logit_bias": {"\u00b9": "up"}}, "logit_bias.\u00b9", "got a string"),  # '¹'.isdigit()
     (C, {"prompt": "\ud800"}, "prompt", "lone UTF-16 surrogate"),
     (C, {"prompt": ["ok", "a\udfffb"]}, "prompt.1", "lone UTF-16 surrogate"),
     (C, {"prompt": "hi", "stop": "\ud800"}, "stop", "lone UTF-16 surrogate"),
@@ -93,7 +94,7 @@ def test_json_nested_past_the_parser_is_a_400(http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("field", [{"stop_token_ids": [49152]}, {"top_k": 49153}, {"logit_bias": {"99999": 1}},
-                                   {"logit_bias": {"5": 101}}, {"top_k": 2**62}, {"n": 3, "prompt": ["a"] * 64}])
+                                   {"logit_bias": {"5": 101}}, {"logit_bias": {"\u00b9": 1}}, {"logit_bias": {"\u0665": 1}}, {"top_k": 2**62}, {"n": 3, "prompt": ["a"] * 64}])
 def test_values_beyond_the_model_are_400s(http: httpx.Client, field: dict) -> None:
     response = http.post(C, json={"prompt": "hi", "max_tokens": 2, **field})
     assert response.status_code == 400, response.text

@@ -230,7 +230,7 @@ def _message(error: dict[str, Any]) -> str:
 def _specificity(error: dict[str, Any]) -> tuple:
     parts = _dotted(error.get("loc", ())).split(".")
     type_error = str(error.get("type", "")).endswith("_type")
-    return len(parts), tuple(int(p) if p.isdigit() else -1 for p in parts), not type_error
+    return len(parts), tuple(int(p) if p.isascii() and p.isdigit() else -1 for p in parts), not type_error
 
 
 def _json_type(value: object) -> str:

@@ -13,7 +13,6 @@ import yaml
 from kvfleet.autoscale_replay.engine_model import EngineModel
 from kvfleet.autoscale_replay.slo import DEFAULT_ATTAINMENT, DEFAULT_TTFT_S, Slo, parse_classes
 from kvfleet.autoscale_replay.trace import TraceError
-from kvfleet.fleet.priority import Priority
 from kvfleet.plan.check import check_fleet
 from kvfleet.plan.request_log import read_requests
 from kvfleet.plan.sizing import Plan, describe, recommend
