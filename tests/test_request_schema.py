@@ -94,7 +94,8 @@ def test_json_nested_past_the_parser_is_a_400(http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("field", [{"stop_token_ids": [49152]}, {"top_k": 49153}, {"logit_bias": {"99999": 1}},
-                                   {"logit_bias": {"5": 101}}, {"logit_bias": {"\u00b9": 1}}, {"logit_bias": {"\u0665": 1}}, {"top_k": 2**62}, {"n": 3, "prompt": ["a"] * 64}])
+                                   {"logit_bias": {"5": 101}}, {"logit_bias": {"\u00b9": 1}},
+                                   {"logit_bias": {"\u0665": 1}}, {"top_k": 2**62}, {"n": 3, "prompt": ["a"] * 64}])
 def test_values_beyond_the_model_are_400s(http: httpx.Client, field: dict) -> None:
     response = http.post(C, json={"prompt": "hi", "max_tokens": 2, **field})
     assert response.status_code == 400, response.text
