@@ -9,7 +9,13 @@ from kvfleet.fleet.engine_settings import crd_engine_properties
 from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
 from kvfleet.fleet.slo import DEFAULT_SLO_CLASSES, SloClass
 from kvfleet.operator.cold_start import KEEP, PERCENTILE
-from kvfleet.operator.fleet_fields import AUTOSCALING_ENABLED, AUTOSCALING_FIELDS, DEFAULT_IMAGE, SPEC_FIELDS
+from kvfleet.operator.fleet_fields import (
+    AUTOSCALING_ENABLED,
+    AUTOSCALING_FIELDS,
+    DEFAULT_RUNTIME,
+    RUNTIMES,
+    SPEC_FIELDS,
+)
 from kvfleet.operator.fleet_spec import (
     ENGINE_API_KEY_ENV,
     ENGINE_API_KEY_SECRET_KEY,
@@ -68,8 +74,14 @@ SPEC_SCHEMA = {
     "required": ["model"],
     "properties": {
         "model": {"type": "string", "minLength": 1,
-                  "description": "smollm2-135m-instruct, or a model directory inside the image"},
-        "image": {"type": "string", "default": DEFAULT_IMAGE},
+                  "description": "smollm2-135m-instruct, or a model directory inside the image; with runtime vllm, "
+                                 "what `vllm serve` takes (a Hugging Face id or a path)"},
+        "runtime": {"type": "string", "enum": list(RUNTIMES), "default": DEFAULT_RUNTIME,
+                    "description": "the engine pods' server: kvfleet's engine, or vLLM (`vllm serve` with the engine "
+                                   "fields as its flags, probed on /health, scaled on its metrics)"},
+        # no schema default: it depends on the runtime, so the operator fills it in
+        "image": {"type": "string", "description": "default: " + ", ".join(
+            f"{image} ({runtime})" for runtime, image in RUNTIMES.items())},
         "imagePullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
         "engine": {"type": "object", "properties": {
             **crd_engine_properties(),

@@ -35,6 +35,9 @@ class FleetField:
 
 
 DEFAULT_IMAGE = "kvfleet/engine:cpu"
+# spec.runtime: which server the engine pods run, and the image each uses when spec.image is left out
+RUNTIMES = {"kvfleet": DEFAULT_IMAGE, "vllm": "vllm/vllm-openai:v0.11.0"}
+DEFAULT_RUNTIME = "kvfleet"
 
 # spec.<name>, read onto FleetSpec.
 SPEC_FIELDS = (

@@ -22,6 +22,8 @@ from kvfleet.operator.fleet_fields import (
     AUTOSCALING_ENABLED,
     AUTOSCALING_FIELDS,
     DEFAULT_IMAGE,
+    DEFAULT_RUNTIME,
+    RUNTIMES,
     SPEC_FIELDS,
     FleetField,
     spec_default,
@@ -63,6 +65,7 @@ class FleetSpec:
     namespace: str
     model: str
     image: str = DEFAULT_IMAGE
+    runtime: str = DEFAULT_RUNTIME  # kvfleet or vllm (operator/vllm_runtime.py)
     image_pull_policy: str = "IfNotPresent"
     engine: FleetEngineSettings = FleetEngineSettings()
     resources: dict = field(default_factory=dict)
@@ -77,8 +80,12 @@ class FleetSpec:
 
     @property
     def gpu(self) -> bool:
-        limits = (self.resources or {}).get("limits") or {}
-        return any(k.endswith("/gpu") for k in limits)
+        return _has_gpu(self.resources)
+
+
+def _has_gpu(resources: dict | None) -> bool:
+    limits = (resources or {}).get("limits") or {}
+    return isinstance(limits, dict) and any(str(k).endswith("/gpu") for k in limits)
 
 
 def _int(section: dict, key: str, where: str, default: int, low: int, high: int) -> int:
@@ -198,8 +205,15 @@ def parse_fleet(name: str, namespace: str, spec: dict[str, Any], default_api_key
     if not isinstance(resources, dict):
         raise InvalidSpec("spec.resources must be a Kubernetes ResourceRequirements object")
     api_key_secret, api_key_secret_key = _engine_auth(spec, default_api_key_secret)
+    runtime = spec.get("runtime") or DEFAULT_RUNTIME
+    if runtime not in RUNTIMES:
+        raise InvalidSpec(f"spec.runtime must be one of {', '.join(RUNTIMES)}, not {runtime!r}")
+    if runtime == "vllm" and settings.kv_cache_memory is not None and _has_gpu(resources):
+        raise InvalidSpec("spec.engine.kvCacheMemory: vLLM sizes its KV cache on GPUs from gpuMemoryUtilization; "
+                          "remove kvCacheMemory and set engine.gpuMemoryUtilization (e.g. 0.9)")
     return FleetSpec(
-        name=name, namespace=namespace, model=model.strip(), image=spec.get("image") or DEFAULT_IMAGE,
+        name=name, namespace=namespace, model=model.strip(), image=spec.get("image") or RUNTIMES[runtime],
+        runtime=runtime,
         image_pull_policy=spec.get("imagePullPolicy") or "IfNotPresent", engine=settings, resources=resources,
         autoscaling_enabled=_read(auto, AUTOSCALING_ENABLED, "spec.autoscaling"), autoscaling=policy,
         api_key_secret=api_key_secret, api_key_secret_key=api_key_secret_key,

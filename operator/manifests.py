@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.operator.fleet_spec import ENGINE_API_KEY_ENV, ENGINE_PORT, FleetSpec
+from kvfleet.operator.vllm_runtime import vllm_container, vllm_volumes
 
 FIELD_MANAGER = "kvfleet-operator"
 
@@ -47,9 +48,10 @@ def build_engine_env(fleet: FleetSpec) -> list[dict]:
 
 
 def build_engine_container(fleet: FleetSpec) -> dict:
+    """kvfleet's engine, or (runtime vllm) a vLLM server built on the same container (vllm_runtime.py)."""
     resources = fleet.resources or {"requests": {"cpu": "1", "memory": "2Gi"},
                                     "limits": {"cpu": "2", "memory": "4Gi"}}
-    return {
+    container = {
         "name": "engine",
         "image": fleet.image,
         "imagePullPolicy": fleet.image_pull_policy,
@@ -70,6 +72,7 @@ def build_engine_container(fleet: FleetSpec) -> dict:
         "env": build_engine_env(fleet),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
+    return vllm_container(fleet, container) if fleet.runtime == "vllm" else container
 
 
 def build_deployment(fleet: FleetSpec, replicas: int) -> dict:
@@ -79,7 +82,7 @@ def build_deployment(fleet: FleetSpec, replicas: int) -> dict:
         "terminationGracePeriodSeconds": fleet.drain_seconds + 15,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000,
                             "seccompProfile": {"type": "RuntimeDefault"}},
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *(vllm_volumes() if fleet.runtime == "vllm" else [])],
     }
     if fleet.gpu:
         pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]

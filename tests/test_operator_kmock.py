@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -134,11 +135,13 @@ class MetricsServer:
     def __init__(self) -> None:
         self.kv, self.running, self.waiting = 0.0, 0, 0
         self.extra = ""  # more exposition lines (the capacity an engine measured of itself)
+        self.raw: str | None = None  # served instead, whole (a vLLM pod's /metrics)
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                body = (f"kvfleet_kv_cache_usage {outer.kv}\nkvfleet_num_requests_running {outer.running}\n"
+                body = (outer.raw if outer.raw is not None else
+                        f"kvfleet_kv_cache_usage {outer.kv}\nkvfleet_num_requests_running {outer.running}\n"
                         f"kvfleet_num_requests_waiting {outer.waiting}\nkvfleet_max_num_seqs 16\n"
                         f"{outer.extra}").encode()
                 self.send_response(200)
@@ -243,3 +246,24 @@ def test_the_slo_planner_sizes_a_fleet_from_the_gateways_counts_and_the_engines_
     [entry] = fleet["status"]["scalingHistory"]
     # 2.5 pods of work over 60 s; the window reaches back to its oldest 5 s slot's start, 60-65 s: 2.31-2.5
     assert entry["reason"].startswith("up: plan") and 2.3 < entry["plan"]["workPods"]["standard"] < 2.6
+
+
+def test_a_vllm_fleet_gets_vllm_pods_and_scales_on_vllms_metrics(api) -> None:
+    """runtime: vllm: the Deployment runs `vllm serve`; its pods' /metrics (vLLM's names, two data-parallel ranks at
+    0.9 and 0.5 KV usage: 0.7 on average) drive the autoscaler as kvfleet engines' do."""
+    api_client, *_ = api
+    metrics = MetricsServer()
+    metrics.raw = (Path(__file__).parent / "data" / "vllm-metrics-dp2.txt").read_text().replace(
+        'engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.5', 'engine="1",model_name="x"} 1.0')
+    create_fleet(api_client, "vl", {"model": "meta-llama/Llama-3.1-8B-Instruct", "runtime": "vllm", "replicas": 2,
+                                    "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 6,
+                                                    "targetKVCacheUsage": 0.7}})
+    deployment = eventually(lambda: client.AppsV1Api(api_client).read_namespaced_deployment("vl-engine", NS))
+    [engine] = deployment.spec.template.spec.containers
+    assert engine.command == ["vllm", "serve"] and engine.image.startswith("vllm/vllm-openai:")
+    core = client.CoreV1Api(api_client)
+    for i in range(2):
+        core.create_namespaced_pod(NS, engine_pod("vl", f"vl-engine-{i}", metrics.port))
+    eventually(lambda: replicas(api_client, "vl") == 3, timeout=15)  # ceil(2 x 0.95 / 0.7)
+    fleet = client.CustomObjectsApi(api_client).get_namespaced_custom_object(*FLEETS, "vl")
+    assert fleet["status"]["scalingHistory"][0]["kvCacheUsage"] == 0.95

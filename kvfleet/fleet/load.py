@@ -43,9 +43,11 @@ METRICS_QUERY = "&".join(f"name[]={n}" for n in WANTED)
 MAX_VALUE = 1e12  # beyond any real queue, token count or rate
 
 
-def _sample_values(text: str) -> dict[str, float]:
-    """Sums of the wanted samples by name, from plain exposition lines (name, optional labels, value)."""
+def _sample_values(text: str) -> tuple[dict[str, float], dict[str, int]]:
+    """Sums of the wanted samples by name, and how many label sets each summed, from plain exposition lines (name,
+    optional labels, value)."""
     found: dict[str, float] = {}
+    series: dict[str, int] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -66,18 +68,20 @@ def _sample_values(text: str) -> dict[str, float]:
         if not 0.0 <= value <= MAX_VALUE:  # NaN, infinities, negatives: no count or rate is any of them
             raise MetricsParseError(f"the value on the line {line[:80]!r} is not a count in [0, {MAX_VALUE:.0e}]")
         found[name] = found.get(name, 0.0) + value
-    return found
+        series[name] = series.get(name, 0) + 1
+    return found, series
 
 
 def parse_engine_load(text: str) -> EngineLoad:
-    """The three load signals, summed over label sets (vLLM labels its gauges by model name)."""
-    found = _sample_values(text)
+    """The three load signals: requests summed over label sets (vLLM labels its gauges by model name, and a
+    data-parallel pod by engine rank), KV usage averaged over them (each rank has its own cache of the same size)."""
+    found, series = _sample_values(text)
     values = {}
     for signal, names in LOAD_SIGNALS.items():
         name = next((n for n in names if n in found), None)
         if name is None:
             raise MetricsParseError(f"no {signal} metric; expected one of {', '.join(names)}")
-        values[signal] = found[name]
+        values[signal] = found[name] / series[name] if signal == "kv_cache_usage" else found[name]
     capacity = int(found.get(MAX_NUM_SEQS, 0)) or None
     rate = found.get(PREFILL_TOKENS_PER_SECOND, 0.0)
     return EngineLoad(min(max(values["kv_cache_usage"], 0.0), 1.0), int(values["num_waiting"]),

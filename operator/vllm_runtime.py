@@ -1,0 +1,77 @@
+"""`runtime: vllm`: the engine container as a vLLM pod (pure). The InferenceFleet's engine fields become `vllm serve`
+flags of the same names (--max-model-len, --max-num-seqs, --block-size, --gpu-memory-utilization), prefix caching is
+on, and KV events are published over ZMQ in vLLM's format, which the gateway's precise index follows (discovered on
+/kv_event_sources, as for any vLLM pod). Probes use vLLM's /health, which answers once the model can serve; the
+gateway and the autoscaler read vLLM's metric names (kvfleet/fleet/metrics.py). The engines' shared token becomes
+VLLM_API_KEY, which vLLM checks on /v1 as kvfleet's engine does. On CPUs kvCacheMemory becomes VLLM_CPU_KVCACHE_SPACE
+(GiB); on GPUs vLLM sizes the cache from gpuMemoryUtilization (the spec parser refuses kvCacheMemory there).
+
+Verified here: the manifests (built, schema-validated, applied by the operator against the emulated API). Not
+verified here: a vLLM pod running from them (vLLM does not run on these machines)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from kvfleet.fleet.pods import ENGINE_PORT_NAME
+from kvfleet.fleet.sizes import parse_size
+from kvfleet.operator.fleet_spec import ENGINE_PORT, FleetSpec
+
+KV_EVENTS_PORT = 5557  # vLLM's default ZMQ endpoint port; the replay socket takes the next
+KV_EVENTS_TOPIC = "kv-events"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
+STARTUP_PERIOD_S, STARTUP_FAILURES = 10, 180  # 30 minutes: large models download and load slowly
+
+
+def kv_events_config() -> str:
+    """vLLM's --kv-events-config: ZMQ PUB on every interface plus its replay socket, as the gateway subscribes."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "topic": KV_EVENTS_TOPIC,
+                       "endpoint": f"tcp://*:{KV_EVENTS_PORT}", "replay_endpoint": f"tcp://*:{KV_EVENTS_PORT + 1}"},
+                      separators=(",", ":"))
+
+
+def vllm_args(fleet: FleetSpec) -> list[str]:
+    engine = fleet.engine
+    args = [fleet.model, "--served-model-name", fleet.model, "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
+            "--enable-prefix-caching", "--kv-events-config", kv_events_config()]
+    for flag, value in (("--max-model-len", engine.max_model_len), ("--max-num-seqs", engine.max_num_seqs),
+                        ("--block-size", engine.block_size),
+                        ("--gpu-memory-utilization", engine.gpu_memory_utilization)):
+        if value is not None:
+            args += [flag, str(value)]
+    return [*args, *engine.extra_args]
+
+
+def vllm_env(fleet: FleetSpec) -> list[dict]:
+    """Caches on the writable emptyDir (the root filesystem is read-only), the token, the CPU backend's KV size."""
+    env = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/huggingface"},
+           {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"}, {"name": "KVFLEET_FLEET", "value": fleet.name}]
+    if fleet.api_key_secret:
+        env.append({"name": VLLM_API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": fleet.api_key_secret, "key": fleet.api_key_secret_key}}})
+    if fleet.engine.kv_cache_memory is not None and not fleet.gpu:
+        gib = max(1, math.ceil(parse_size(fleet.engine.kv_cache_memory) / 2**30))
+        env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(gib)})
+    return env
+
+
+def vllm_container(fleet: FleetSpec, base: dict) -> dict:
+    """`base` (kvfleet's engine container: resources, security, lifecycle, mounts) turned into a vLLM server."""
+    health = {"httpGet": {"path": "/health", "port": ENGINE_PORT_NAME}, "timeoutSeconds": 2}
+    return base | {
+        "command": ["vllm", "serve"],
+        "args": vllm_args(fleet),
+        "ports": [*base["ports"], {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+                  {"name": "kv-replay", "containerPort": KV_EVENTS_PORT + 1, "protocol": "TCP"}],
+        "startupProbe": health | {"periodSeconds": STARTUP_PERIOD_S, "failureThreshold": STARTUP_FAILURES},
+        "readinessProbe": health | {"periodSeconds": 2, "failureThreshold": 2},  # vLLM has no /ready
+        "livenessProbe": health | {"periodSeconds": 10, "failureThreshold": 3},
+        "env": vllm_env(fleet),
+        "volumeMounts": [*base["volumeMounts"], {"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+
+
+def vllm_volumes() -> list[dict]:
+    """PyTorch's shared memory between vLLM's processes: the container runtime's 64 MiB default is too small."""
+    return [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
