@@ -40,7 +40,8 @@ def _printer_columns() -> list[dict]:
 def _emulator_class():
     """KMock's emulator with what kubectl needs and KMock 0.8 lacks: lists that say their kind; the core group's
     resource list named `v1` (KMock says `/v1`, so kubectl finds no pods); subresources without short names;
-    Tables for `kubectl get` of fleets and pods; a creationTimestamp and uid on every object created."""
+    Tables for `kubectl get` of fleets and pods; a creationTimestamp and uid on every object created; lists and
+    watches filtered by their labelSelector (two fleets' pods were each other's)."""
     import kmock
 
     columns = _printer_columns()
@@ -62,6 +63,9 @@ def _emulator_class():
 
         async def _serve_list(self, request):  # noqa: ANN001, ANN202
             payload = await super()._serve_list(request)
+            selector = request.params.get("labelSelector")
+            if selector:
+                payload = {**payload, "items": [o for o in payload["items"] if selects(selector, _labels(o))]}
             wanted = request.resource
             accept = next((v for k, v in request.headers.items() if k.lower() == "accept"), "")
             if wants_table(accept) and (wanted.group, wanted.plural) == (GROUP, PLURAL):
@@ -72,7 +76,56 @@ def _emulator_class():
             version = f"{wanted.group}/{wanted.version}" if wanted.group else wanted.version
             return {"apiVersion": version, "kind": f"{kinds[0]}List", **payload} if kinds else payload
 
+        async def _serve_watch(self, request):  # noqa: ANN001, ANN202
+            selector = request.params.get("labelSelector")
+            async for event in super()._serve_watch(request):
+                if not selector or not isinstance(event, dict) or selects(selector, _labels(event.get("object"))):
+                    yield event
+
     return Emulator
+
+
+def _labels(obj: object) -> dict:
+    return ((obj or {}).get("metadata") or {}).get("labels") or {} if isinstance(obj, dict) else {}
+
+
+def selects(selector: str, labels: dict) -> bool:
+    """Whether a Kubernetes label selector (`k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`, `k notin (a,b)`, joined
+    by commas) selects these labels: KMock 0.8 ignores labelSelector, so every list and watch got every object."""
+    for term in _terms(selector):
+        if " notin " in term or " in " in term:
+            key, op, values = term.partition(" notin ") if " notin " in term else term.partition(" in ")
+            allowed = {v.strip() for v in values.strip().strip("()").split(",")}
+            if (labels.get(key.strip()) in allowed) == (op.strip() == "notin"):
+                return False
+        elif "!=" in term:
+            key, _, value = term.partition("!=")
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "=" in term:
+            key, _, value = term.replace("==", "=").partition("=")
+            if labels.get(key.strip()) != value.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:].strip() in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _terms(selector: str) -> list[str]:
+    """The comma-separated terms, commas inside `in (...)` sets kept."""
+    terms, depth, current = [], 0, ""
+    for char in selector:
+        depth += char == "("
+        depth -= char == ")"
+        if char == "," and depth == 0:
+            terms.append(current.strip())
+            current = ""
+        else:
+            current += char
+    return [t for t in [*terms, current.strip()] if t]
 
 
 def _now() -> datetime.datetime:

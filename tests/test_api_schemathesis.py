@@ -44,18 +44,21 @@ def shorten(case) -> None:
         case.body["max_tokens"] = 8
 
 
+# What routers in front ask (vLLM's and SGLang's routes: engine/vllm_compat_api.py, sglang_compat_api.py)
+PEER_ROUTES = ["GET /kv_event_sources", "GET /get_server_info", "GET /server_info", "GET /model_info",
+               "GET /get_model_info", "GET /get_load", "GET /version", "POST /v1/completions/render",
+               "POST /v1/chat/completions/render", "POST /tokenize", "POST /detokenize"]
+
+
 def test_schema_lists_every_route(api_schema) -> None:
     assert set(operations(api_schema)) == {
         "GET /health", "GET /ready", "GET /metrics", "GET /v1/models", "POST /v1/completions",
-        "POST /v1/chat/completions", "GET /kv_events", "GET /kv_event_sources", "GET /get_server_info",
-        "POST /v1/completions/render", "POST /v1/chat/completions/render",
+        "POST /v1/chat/completions", "GET /kv_events", *PEER_ROUTES,
     }
 
 
 @pytest.mark.parametrize("route", ["GET /health", "GET /ready", "GET /metrics", "GET /v1/models",
-                                   "POST /v1/completions", "POST /v1/chat/completions", "GET /kv_event_sources",
-                                   "GET /get_server_info", "POST /v1/completions/render",
-                                   "POST /v1/chat/completions/render"])
+                                   "POST /v1/completions", "POST /v1/chat/completions", *PEER_ROUTES])
 def test_generated_requests_get_no_5xx_and_valid_responses(api_schema, route: str) -> None:
     operation = operations(api_schema)[route]
 
@@ -69,9 +72,10 @@ def test_generated_requests_get_no_5xx_and_valid_responses(api_schema, route: st
     check()
 
 
-def test_hostile_bodies_from_the_schema_never_crash(api_schema) -> None:
+@pytest.mark.parametrize("route", ["POST /v1/completions", "POST /tokenize", "POST /detokenize"])
+def test_hostile_bodies_from_the_schema_never_crash(api_schema, route: str) -> None:
     """Bodies that break the schema on purpose (schemathesis' negative mode) get 4xx, never 5xx."""
-    operation = operations(api_schema)["POST /v1/completions"]
+    operation = operations(api_schema)[route]
 
     @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode.NEGATIVE))
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)

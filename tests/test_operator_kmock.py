@@ -264,6 +264,6 @@ def test_a_vllm_fleet_gets_vllm_pods_and_scales_on_vllms_metrics(api) -> None:
     core = client.CoreV1Api(api_client)
     for i in range(2):
         core.create_namespaced_pod(NS, engine_pod("vl", f"vl-engine-{i}", metrics.port))
-    eventually(lambda: replicas(api_client, "vl") == 3, timeout=15)  # ceil(2 x 0.95 / 0.7)
+    eventually(lambda: replicas(api_client, "vl") == 3, timeout=15)  # ceil(2 x 0.95 / 0.7): its own pods only
     fleet = client.CustomObjectsApi(api_client).get_namespaced_custom_object(*FLEETS, "vl")
     assert fleet["status"]["scalingHistory"][0]["kvCacheUsage"] == 0.95
