@@ -22,11 +22,11 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.capacity import saturated_throughput
-from bench.fleet_procs import MODEL_NAME, BenchFleet, cpu_used, gateway_queue_waits, queue_waits_between
+from bench.fleet_procs import MODEL_NAME, BenchFleet, cpu_used, gateway_queue_waits, get, queue_waits_between
 from bench.loop_lag import describe_lag, with_loop_lag
 from bench.plotting import finish, pyplot
 from kvfleet.bench_report import CLASS_COLORS, REJECTION_MARKERS, summarize
@@ -48,6 +48,9 @@ def parse_args() -> argparse.Namespace:
                         help="output tokens per request; long enough that the gateway's per-request work stays small "
                              "beside the engines' on this machine")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ladder", default="", metavar="CLASS=N,...",
+                        help="also run the overload again through a fresh gateway with the degradation ladder's "
+                             "first rung (--degrade-max-tokens CLASS=N,...), side by side with the run without it")
     parser.add_argument("--quick", action="store_true", help="short runs and a 3 s queue deadline, to check it works")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--replot", type=Path, help="redraw the chart of an earlier run's JSON and exit")
@@ -94,7 +97,18 @@ def main() -> int:
         run_wall = time.monotonic() - run_started
         cpu = cpu_used(cpu_before, fleet.cpu_snapshot())
         queue_waits = queue_waits_between(waits_before, gateway_queue_waits(url))
-    unanswered = [r for r in records + baseline_records if not answered(r)]
+        ladder = None
+        if args.ladder:
+            fleet.wait_idle()
+            ladder_url = fleet.start_gateway("kvfleet", fleet="overload-ladder", extra=[
+                "--max-queue-ms", str(args.max_queue_ms), "--degrade-max-tokens", args.ladder])
+            ladder_records, _ = asyncio.run(with_loop_lag(run_load(replace(overload, url=ladder_url), progress=False)))
+            records_all = records + ladder_records
+            ladder = {"degrade_max_tokens": args.ladder, "summary": summarize(ladder_records),
+                      "degraded": gateway_degraded(ladder_url), "records": [asdict(r) for r in ladder_records]}
+        else:
+            records_all = records
+    unanswered = [r for r in records_all + baseline_records if not answered(r)]
     summary, baseline_summary = summarize(records), summarize(baseline_records)
     critical_p99 = summary["by_class"].get("critical", {}).get("ttft_s", {}).get("p99")
     unloaded_p99 = baseline_summary["overall"]["ttft_s"]["p99"]
@@ -111,13 +125,45 @@ def main() -> int:
         "overload": {"spec": overload.public(), "summary": summary, "records": [asdict(r) for r in records]},
         "baseline": {"spec": baseline.public(), "summary": baseline_summary,
                      "records": [asdict(r) for r in baseline_records]},
+        "ladder": ladder,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gateway_overload.json"
     path.write_text(json.dumps(report, indent=2))
     print(format_table(report))
+    print(ladder_table(report))
     print(f"JSON: {path}   chart: {chart(report, path.with_suffix('.png'))}")
     return 0 if not unanswered else 1
+
+
+def gateway_degraded(gateway_url: str) -> dict[str, float]:
+    """From the gateway's /metrics: answers served degraded, per class."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(get(gateway_url + "/metrics") or "")
+    return {s.labels["priority"]: s.value for family in families for s in family.samples
+            if s.name == "kvfleet_gateway_degraded_total"}
+
+
+def ladder_table(report: dict) -> str:
+    """Per class, without and with the ladder's first rung: answered 200 / 429 / 503, TTFT p50 / p99, degraded."""
+    ladder = report.get("ladder")
+    if not ladder:
+        return ""
+    rows = [f"\nthe same overload through a gateway with --degrade-max-tokens {ladder['degrade_max_tokens']}:",
+            f"{'class':<10} {'arm':<8} {'200':>5} {'429':>5} {'503':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'degraded':>8}"]
+    for name in report["overload"]["summary"]["by_class"]:
+        for arm, summary, degraded in (("without", report["overload"]["summary"], None),
+                                       ("ladder", ladder["summary"], ladder["degraded"].get(name, 0.0))):
+            g = summary["by_class"].get(name)
+            if g is None:
+                continue
+            by = g["by_status"]
+            rows.append(f"{name:<10} {arm:<8} {by.get('200', 0):>5} {by.get('429', 0):>5} {by.get('503', 0):>5} "
+                        f"{_s(g['ttft_s']['p50']):>9} {_s(g['ttft_s']['p99']):>9} "
+                        f"{'-' if degraded is None else int(degraded):>8}")
+    return "\n".join(rows)
 
 
 def format_table(report: dict) -> str:

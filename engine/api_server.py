@@ -47,9 +47,8 @@ from kvfleet.fleet.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvfleet.fleet.errors import APIError, engine_fault, install_error_handlers
 from kvfleet.fleet.headers import RETRY_AFTER
 from kvfleet.fleet.http_limits import BodyDeadline, HttpLimits
-from kvfleet.fleet.openai_schema import describe_unknown_fields
+from kvfleet.fleet.openai_schema import COMPLETIONS_DEFAULT_MAX_TOKENS, describe_unknown_fields
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 64  # prompts in one batched completions request
 DISCONNECT_POLL_SECONDS = 0.25
 

@@ -32,6 +32,7 @@ from kvfleet.gateway.access import Tenant, TenantCharge, admit_key, authenticate
 from kvfleet.gateway.admission import Action, admit
 from kvfleet.gateway.class_grant import class_ceiling, class_refusal
 from kvfleet.gateway.config import GatewayConfig
+from kvfleet.gateway.degradation import STEP_MAX_TOKENS, cap_output, header_value, output_cap
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.fleet_queue import FleetQueue, Outcome
 from kvfleet.gateway.kv_events_client import KVEventFollower
@@ -62,6 +63,7 @@ class Admitted:
     changed: bool
     hashes: PromptKeys
     settlement: Settlement | None
+    degraded: str | None = None  # the ladder's step applied (headers.DEGRADED's value), None when served as asked
 
 
 @dataclass
@@ -202,6 +204,8 @@ class Gateway:
             response = await unless_client_leaves(request.receive, self.forwarder.forward(
                 path, admitted.body, request.headers.raw, request_id, admitted.hashes, on_tokens=settlement,
                 critical=priority is Priority.CRITICAL))
+            if admitted.degraded is not None:
+                response.headers[headers.DEGRADED] = admitted.degraded
         except BaseException as err:
             if settlement is not None and isinstance(err, APIError) and err.status == 499:
                 settlement.abandoned()  # the engine worked for a client that left: its count is unknown
@@ -258,8 +262,7 @@ class Gateway:
             body["priority"] = engine_priority  # the engine admits and preempts by it too
         if settlement is not None and stream_usage and ask_stream_usage(body):
             settlement.hide_stream_usage = changed = True  # the count comes from the usage chunk, hidden again
-        if changed:
-            raw = json.dumps(body).encode()
+        degraded = None
         try:
             await self._take_in_flight_slot(tenant, priority, settlement)
             snapshots = self.pool.snapshots()
@@ -271,6 +274,11 @@ class Gateway:
                             self.config.queue_caps[priority], critical_has_room)
             if verdict.action is Action.SHED:
                 raise self._shed(priority, verdict.reason, verdict.message, tenant)
+            saturated = not (has_capacity and sum(counts.values()) == 0)  # it waits, or passes by critical-first
+            cap = output_cap(priority, saturated, self.config.degrade_max_tokens)
+            if cap is not None and cap_output(path, body, cap):
+                changed, degraded = True, header_value(cap)
+                self.metrics.degraded.labels(priority.value, STEP_MAX_TOKENS).inc()
             if verdict.action is Action.QUEUE:
                 if on_queue is not None:
                     await on_queue(max_queue_ms)
@@ -281,7 +289,9 @@ class Gateway:
             if settlement is not None:
                 settlement.refund()  # refused, shed or timed out in the queue: nothing was generated
             raise
-        return Admitted(raw, changed, hashes, settlement)
+        if changed:
+            raw = json.dumps(body).encode()
+        return Admitted(raw, changed, hashes, settlement, degraded)
 
     async def _wait_in_queue(self, is_disconnected: Callable[[], Awaitable[bool]], priority: Priority,
                              max_queue_ms: float, has_capacity: bool, tenant: Tenant,

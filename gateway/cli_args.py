@@ -16,6 +16,7 @@ from kvfleet.gateway.config import (
     MAX_TENANT_METRICS_TOP,
     ROUTING_STRATEGIES,
     GatewayConfig,
+    parse_class_counts,
     parse_queue_caps,
 )
 from kvfleet.gateway.fair_order import QUEUE_POLICIES
@@ -68,6 +69,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "it: 429 (a key's max_inflight= overrides it; default: none)")
     q.add_argument("--queue-caps", default="", help="per-class queue caps, e.g. critical=1000,standard=1000,"
                                                      "sheddable=100 (over the cap: 429)")
+    q.add_argument("--degrade-max-tokens", default="", metavar="CLASS=N,...",
+                   help="the degradation ladder's first rung: while the fleet is saturated, requests of these classes "
+                        "may generate at most N tokens (e.g. standard=256,sheddable=64; the answer says so in "
+                        "x-kvfleet-degraded); default: none")
     q.add_argument("--tenant-metrics-top", type=int, default=d0.tenant_metrics_top, metavar="N",
                    help="the N tenants with the most recent requests get their own kvfleet_gateway_tenant_* series, "
                         f"the rest share 'other' (0: only 'other'; at most {MAX_TENANT_METRICS_TOP})")
@@ -152,6 +157,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
                                     args.queue_release_depth),
         scrape_interval_s=args.scrape_interval_ms / 1000.0, default_max_queue_ms=args.max_queue_ms,
         aging_ms=args.aging_ms, queue_policy=args.queue_policy, queue_caps=parse_queue_caps(args.queue_caps),
+        degrade_max_tokens=parse_class_counts(args.degrade_max_tokens, "--degrade-max-tokens"),
         tenant_max_queued=args.tenant_max_queued, tenant_max_inflight=args.tenant_max_inflight,
         tenant_metrics_top=args.tenant_metrics_top,
         eject_after_failures=args.eject_after_failures, eject_seconds=args.eject_seconds,

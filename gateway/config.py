@@ -42,6 +42,8 @@ class GatewayConfig:
     aging_ms: float = 10_000.0
     queue_policy: str = "fair"  # one of QUEUE_POLICIES: fair share among tenants inside a class, or fcfs
     queue_caps: dict[Priority, int] = field(default_factory=lambda: dict(DEFAULT_CAPS))
+    # the degradation ladder's first rung: per class, the output cap while the fleet is saturated (none: off)
+    degrade_max_tokens: dict[Priority, int] = field(default_factory=dict)
     tenant_max_queued: int | None = None  # per tenant, fleet-wide (a key's max_queued= overrides it)
     tenant_max_inflight: int | None = None  # per tenant, fleet-wide: admitted and unfinished
     eject_after_failures: int = 3
@@ -101,6 +103,9 @@ class GatewayConfig:
         for p, cap in self.queue_caps.items():
             if cap < 0:
                 raise ValueError(f"the {p.value} queue cap must be >= 0, not {cap}")
+        for p, cap in self.degrade_max_tokens.items():
+            if cap < 1:
+                raise ValueError(f"--degrade-max-tokens: the {p.value} cap must be a count of tokens >= 1, not {cap}")
         if self.eject_after_failures < 1 or self.eject_seconds < 0:
             raise ValueError("--eject-after-failures must be >= 1 and --eject-seconds >= 0")
         if self.upstream_first_byte_timeout_s <= 0 or self.upstream_idle_timeout_s <= 0:
@@ -124,11 +129,16 @@ class GatewayConfig:
 
 def parse_queue_caps(text: str) -> dict[Priority, int]:
     """'critical=1000,standard=500,sheddable=0' (classes left out keep their defaults)."""
-    caps = dict(DEFAULT_CAPS)
+    return parse_class_counts(text, "--queue-caps", DEFAULT_CAPS)
+
+
+def parse_class_counts(text: str, flag: str, defaults: dict[Priority, int] | None = None) -> dict[Priority, int]:
+    """class=count pairs over `defaults` (classes left out keep theirs, or are absent)."""
+    counts = dict(defaults or {})
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
         try:
-            caps[Priority(name.strip())] = int(value)
+            counts[Priority(name.strip())] = int(value)
         except ValueError:
-            raise ValueError(f"--queue-caps takes class=count pairs such as 'standard=500', not {part!r}") from None
-    return caps
+            raise ValueError(f"{flag} takes class=count pairs such as 'standard=500', not {part!r}") from None
+    return counts

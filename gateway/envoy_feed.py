@@ -61,12 +61,16 @@ class EnvoyFeed(AccessLogServiceServicer):
         self._sweeper: asyncio.Task | None = None
         self._urls: dict[str, str] = {}  # engine ip:port -> the pool's URL for it
 
-    def expect(self, priority: str, settlement: Settlement | None) -> tuple[str, Struct]:
+    def expect(self, priority: str, settlement: Settlement | None, degraded: str | None = None
+               ) -> tuple[str, Struct]:
         """A ticket for a request about to be routed, and the dynamic metadata that carries it (and tells the Lua
-        filter whether to count the answer's tokens and hide the usage chunk only the gateway asked for)."""
+        filter whether to count the answer's tokens, hide the usage chunk only the gateway asked for, and mark the
+        answer degraded)."""
         ticket = f"{self._prefix}-{next(self._numbers)}"
         self.expected[ticket] = Expected(priority, settlement)
         fields: dict = {"ticket": ticket}
+        if degraded is not None:
+            fields["degraded"] = degraded
         if settlement is not None:
             fields["count_usage"] = True
             fields["hide_usage"] = settlement.hide_stream_usage

@@ -9,12 +9,13 @@ metadata namespace as `total_tokens`, `prompt_tokens` and `completion_tokens`, a
 first token event (`first_token_ms`, for the per-class counts: gateway/slo_counts.py), which Envoy's access log
 carries to the picker (envoy_feed.py). With `hide_usage` the usage-only SSE event is left out of the client's stream, as
 the Python proxy does (usage.py); to drop it whole, a partial event waits for its end in the next chunk (a stream
-cut mid-event loses that partial event). Other requests cost one metadata lookup per answer.
+cut mid-event loses that partial event). A request the degradation ladder changed carries `degraded`, which the
+script sets as the answer's x-kvfleet-degraded header. Other requests cost one metadata lookup per answer.
 """
 
 from __future__ import annotations
 
-from kvfleet.fleet.headers import FAULT
+from kvfleet.fleet.headers import DEGRADED, FAULT
 
 USAGE_NAMESPACE = "kvfleet"  # the request's dynamic metadata: the picker's ticket and flags, the usage counts
 USAGE_FIELDS = ("total_tokens", "prompt_tokens", "completion_tokens")
@@ -91,6 +92,9 @@ end
 
 function envoy_on_response(handle)
   local flags = handle:streamInfo():dynamicMetadata():get(NS)
+  if flags ~= nil and flags["degraded"] ~= nil then
+    handle:headers():replace("@DEGRADED@", flags["degraded"])
+  end
   if flags == nil or flags["count_usage"] ~= true then
     return
   end
@@ -118,7 +122,8 @@ function envoy_on_response(handle)
     end
   end
 end
-""".replace("@NAMESPACE@", USAGE_NAMESPACE).replace("@FIELDS@", ", ".join(f'"{f}"' for f in USAGE_FIELDS))
+""".replace("@NAMESPACE@", USAGE_NAMESPACE).replace("@FIELDS@", ", ".join(f'"{f}"' for f in USAGE_FIELDS)).replace(
+    "@DEGRADED@", DEGRADED)
 ACCESS_LOG_FLUSH_S = 0.25  # Envoy sends its buffered entries this often (or sooner when the buffer fills)
 
 

@@ -152,7 +152,7 @@ class EndpointPicker(ExternalProcessorServicer):
         message = route_to(urls, admitted.body if admitted.changed else None, gateway.config.engine_api_key,
                            request_id)
         if self.feed is not None:  # the ticket Envoy's access log entry brings back with the answer's usage
-            ticket, metadata = self.feed.expect(priority.value, admitted.settlement)
+            ticket, metadata = self.feed.expect(priority.value, admitted.settlement, admitted.degraded)
             message.dynamic_metadata.MergeFrom(metadata)  # beside the envoy.lb namespace route_to may set
             context.add_done_callback(lambda _: self.feed.closed(ticket))
         elif admitted.settlement is not None:

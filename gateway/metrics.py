@@ -20,6 +20,8 @@ class GatewayMetrics:
                                     ["priority"], buckets=LATENCY_BUCKETS, registry=r)
         self.shed = Counter("kvfleet_gateway_shed", "Requests refused without reaching an engine",
                             ["priority", "reason"], registry=r)
+        self.degraded = Counter("kvfleet_gateway_degraded", "Requests served degraded while the fleet was saturated, "
+                                "by the ladder's step", ["priority", "step"], registry=r)
         self.routed = Counter("kvfleet_gateway_routed", "Requests sent to each engine", ["endpoint"], registry=r)
         self.upstream_latency = Histogram("kvfleet_gateway_upstream_latency_seconds",
                                           "Time from sending to an engine to its response headers",

@@ -18,3 +18,4 @@ ENGINE = "x-kvfleet-engine"  # the engine that served, set by the gateway
 FAULT = "x-kvfleet-fault"  # `engine` on an engine's 5xx that is its own fault, so a gateway retries elsewhere
 ENGINE_FAULT = "engine"  # FAULT's value
 RETRY_AFTER = "retry-after"  # seconds, on 429 and 503
+DEGRADED = "x-kvfleet-degraded"  # the degradation step applied to this answer, e.g. `max_tokens=256`

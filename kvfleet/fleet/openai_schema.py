@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions without max_tokens
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest at most ~5 deep (messages → content parts → part); 32 leaves room
 MAX_UNKNOWN_FIELDS_REPORTED = 8  # unknown field names echoed in a log line, each repr()-escaped
 INT64 = 2**63

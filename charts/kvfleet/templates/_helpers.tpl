@@ -219,6 +219,9 @@ gateway container alone (the bootstrap needs no secret). */}}
 {{- with $g.queueCaps }}
 - --queue-caps={{ . }}
 {{- end }}
+{{- with $g.degradeMaxTokens }}
+- --degrade-max-tokens={{ . }}
+{{- end }}
 {{- with $g.queuePolicy }}
 - --queue-policy={{ . }}
 {{- end }}
