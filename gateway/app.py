@@ -278,7 +278,6 @@ class Gateway:
             cap = output_cap(priority, saturated, self.config.degrade_max_tokens)
             if cap is not None and cap_output(path, body, cap):
                 changed, degraded = True, header_value(cap)
-                self.metrics.degraded.labels(priority.value, STEP_MAX_TOKENS).inc()
             if verdict.action is Action.QUEUE:
                 if on_queue is not None:
                     await on_queue(max_queue_ms)
@@ -289,6 +288,8 @@ class Gateway:
             if settlement is not None:
                 settlement.refund()  # refused, shed or timed out in the queue: nothing was generated
             raise
+        if degraded is not None:  # counted once it goes to an engine, not if its wait in the queue ran out
+            self.metrics.degraded.labels(priority.value, STEP_MAX_TOKENS).inc()
         if changed:
             raw = json.dumps(body).encode()
         return Admitted(raw, changed, hashes, settlement, degraded)

@@ -53,11 +53,15 @@ def complete(gateway: str, model: str, priority: str, out: dict) -> None:
         "model": model, "prompt": "tell me more", "max_tokens": 12, "ignore_eos": True})
 
 
-def degraded_count(gateway: str) -> float:
+def gauge(gateway: str, prefix: str) -> float:
     for line in httpx.get(f"{gateway}/metrics").text.splitlines():
-        if line.startswith('kvfleet_gateway_degraded_total{priority="standard",step="max_tokens"}'):
+        if line.startswith(prefix):
             return float(line.split()[1])
     return 0.0
+
+
+def degraded_count(gateway: str) -> float:
+    return gauge(gateway, 'kvfleet_gateway_degraded_total{priority="standard",step="max_tokens"}')
 
 
 def test_a_saturated_fleet_caps_standard_output_sheds_sheddable_and_says_so(gateway: str, engine: str,
@@ -67,7 +71,8 @@ def test_a_saturated_fleet_caps_standard_output_sheds_sheddable_and_says_so(gate
         waiter = threading.Thread(target=complete, args=(gateway, model, "standard", out))
         waiter.start()
         complete(gateway, model, "sheddable", out)
-        until(lambda: degraded_count(gateway) > before, "the standard request was not degraded")
+        until(lambda: gauge(gateway, 'kvfleet_gateway_queue_depth{priority="standard"}') >= 1,
+              "the standard request never waited in the fleet queue")
     waiter.join()
     assert out["sheddable"].status_code == 429  # the last rung
     capped = out["standard"]
