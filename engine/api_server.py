@@ -256,11 +256,12 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
 
 
 def _echo_texts(engine: AsyncEngine, prompts: list[str | list[int]], skip_special_tokens: bool) -> list[str]:
-    """The prompts as echo repeats them: text as sent, token ids decoded (ids outside the vocabulary are left to the
-    engine, which refuses them with a 400 before anything runs)."""
+    """The prompts as echo repeats them: text as sent, token ids decoded. Ids outside the vocabulary and prompts longer
+    than the context are left to the engine, which refuses them with a 400 before anything runs: none is decoded."""
     tokenizer, vocab = engine.engine.tokenizer, engine.engine.model_config.vocab_size
+    longest = engine.engine.max_model_len
     return [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=skip_special_tokens)
-            if all(0 <= t < vocab for t in p) else "" for p in prompts]
+            if len(p) <= longest and all(0 <= t < vocab for t in p) else "" for p in prompts]
 
 
 def _params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:

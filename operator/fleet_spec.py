@@ -186,6 +186,14 @@ def _engine_auth(spec: dict[str, Any], default_secret: str | None) -> tuple[str 
     return secret or None, key
 
 
+def _section(spec: dict[str, Any], key: str) -> dict:
+    """spec.<key>, an object ({} when absent); InvalidSpec when it is something else (a list, a string)."""
+    section = spec.get(key) or {}
+    if not isinstance(section, dict):
+        raise InvalidSpec(f"spec.{key} must be an object of fields, not {type(section).__name__} {section!r:.80}")
+    return section
+
+
 def parse_fleet(name: str, namespace: str, spec: dict[str, Any], default_api_key_secret: str | None = None
                 ) -> FleetSpec:
     """The spec as the operator uses it; InvalidSpec names the first field to fix. `default_api_key_secret` is
@@ -193,8 +201,8 @@ def parse_fleet(name: str, namespace: str, spec: dict[str, Any], default_api_key
     model = spec.get("model")
     if not isinstance(model, str) or not model.strip():
         raise InvalidSpec("spec.model is required: a known model name (smollm2-135m-instruct) or a path in the image")
-    settings = _engine(spec.get("engine") or {})
-    auto = spec.get("autoscaling") or {}
+    settings = _engine(_section(spec, "engine"))
+    auto = _section(spec, "autoscaling")
     slo = _slo_classes(auto)
     try:
         policy = AutoscalingPolicy(**{f.attr: _read(auto, f, "spec.autoscaling") for f in AUTOSCALING_FIELDS},

@@ -79,6 +79,7 @@ def test_tokenize_a_chat_as_the_engine_runs_it(engine: str) -> None:
     ("/v1/completions", {"prompt": "hi", "return_hidden_states": True}, "return_hidden_states"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"prompt": "hi", "echo": "yes"}, "echo"),
+    ("/v1/completions", {"prompt": [5] * 300_000, "echo": True}, "prompt"),  # refused, never decoded for the echo
     ("/v1/completions", {"prompt": "hi", "skip_special_tokens": 0}, "skip_special_tokens"),
 ])
 def test_hostile_router_fields_get_a_400_naming_the_field(engine: str, path: str, body: dict, param: str) -> None:

@@ -67,6 +67,8 @@ def test_autoscaling_settings_are_read() -> None:
     ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas"),
     ({"autoscaling": {"targetKVCacheUsage": 0}}, "targetKVCacheUsage"),
     ({"replicas": -1}, "spec.replicas"),
+    ({"engine": [1, 2]}, "spec.engine must be an object"),
+    ({"autoscaling": "on"}, "spec.autoscaling must be an object"),
 ])
 def test_invalid_specs_name_the_field(change: dict, field: str) -> None:
     with pytest.raises(InvalidSpec, match=field.replace(".", r"\.")):

@@ -143,3 +143,33 @@ def test_an_slo_no_replica_count_meets_is_said_so(tmp_path: Path, capsys) -> Non
     code, out = plan(capsys, "--log", str(trace_path))
     assert code == 1 and "No number of replicas meets critical's 1 s" in out
     assert json.dumps(printed_fleet(out))  # still a fleet to start from
+
+
+@pytest.mark.parametrize(("engine", "says"), [
+    ([1, 2], "spec.engine must be an object"),
+    ({"maxModelLen": "abc"}, "spec.engine.maxModelLen must be an integer"),
+    ({"kvCacheMemory": "lots"}, "spec.engine.kvCacheMemory"),
+])
+def test_a_fleet_the_operator_would_refuse_is_refused_naming_the_field(tmp_path: Path, capsys, engine,
+                                                                        says: str) -> None:
+    fleet = {"kind": "InferenceFleet", "spec": {"model": "smollm2-135m-instruct", "engine": engine}}
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet))
+    code = main(["plan", "--log", str(write_trace(tmp_path / "t.csv")), "--check", str(tmp_path / "fleet.yaml")])
+    assert code == 2 and says in capsys.readouterr().err
+
+
+def test_a_fleet_that_leaves_fields_out_is_checked_with_the_operators_defaults(tmp_path: Path, capsys) -> None:
+    """No maxModelLen: the operator runs the fleet's default (2,048), which is what is weighed against the traffic."""
+    fleet = {"kind": "InferenceFleet", "spec": {"model": "smollm2-135m-instruct"}}
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet))
+    code, out = plan(capsys, "--log", str(write_trace(tmp_path / "t.csv", prompts=(16, 200))),
+                     "--check", str(tmp_path / "fleet.yaml"))
+    assert code == 1 and "WARNING: maxModelLen 2,048 is" in out
+
+
+def test_rates_and_batches_no_fleet_could_serve_are_answered_without_replaying(tmp_path: Path, capsys) -> None:
+    trace = str(write_trace(tmp_path / "t.csv"))
+    code, out = plan(capsys, "--log", trace, "--qps", "1e9")
+    assert code == 1 and "more than 64 pods" in out
+    assert main(["plan", "--log", trace, "--max-num-seqs", "100000000"]) == 2
+    assert "--max-num-seqs must be at most 4096" in capsys.readouterr().err

@@ -3,24 +3,17 @@ the traffic uses, requests that would not fit, a batch the KV cache cannot hold 
 
 from __future__ import annotations
 
-from kvfleet.fleet.engine_settings import EngineSettings
 from kvfleet.fleet.sizes import format_size, parse_size
+from kvfleet.operator.fleet_spec import FleetEngineSettings
 from kvfleet.plan.sizing import Plan, Traffic
 
-OVER_RESERVED = 2.0  # maxModelLen at least this many times what the traffic needs is worth a warning
+OVER_RESERVED = 2.0  # maxModelLen at least this many times what the traffic uses is worth a warning
 
 
-def check_fleet(fleet: dict, plan: Plan, traffic: Traffic, kv_bytes_per_token: int, model_max_len: int
-                ) -> list[str]:
-    """Warnings, each saying what it costs and what to set instead; [] when the fleet fits its traffic. A field the
-    fleet leaves out is the engine's default (maxModelLen: the model's context)."""
-    spec = fleet.get("spec") if isinstance(fleet, dict) else None
-    if not isinstance(spec, dict):
-        raise ValueError("the file is not an InferenceFleet: it has no spec; give the YAML you apply with kubectl")
-    engine = spec.get("engine") or {}
-    max_model_len = int(engine.get("maxModelLen") or model_max_len)
-    max_num_seqs = int(engine.get("maxNumSeqs") or EngineSettings().max_num_seqs)
-    kv_memory = engine.get("kvCacheMemory")
+def check_fleet(engine: FleetEngineSettings, plan: Plan, traffic: Traffic, kv_bytes_per_token: int) -> list[str]:
+    """Warnings, each saying what it costs and what to set instead; [] when the fleet fits its traffic. `engine` is
+    the fleet's spec.engine as the operator reads it (its defaults where the fleet says nothing)."""
+    max_model_len, max_num_seqs, kv_memory = engine.max_model_len, engine.max_num_seqs, engine.kv_cache_memory
     kv_tokens = parse_size(kv_memory) // kv_bytes_per_token if kv_memory else None
     needed = traffic.prompt_p99 + traffic.output_p99
     warnings = []

@@ -13,9 +13,10 @@ import yaml
 from kvfleet.autoscale_replay.engine_model import EngineModel
 from kvfleet.autoscale_replay.slo import DEFAULT_ATTAINMENT, DEFAULT_TTFT_S, Slo, parse_classes
 from kvfleet.autoscale_replay.trace import TraceError
+from kvfleet.operator.fleet_spec import FleetEngineSettings, InvalidSpec, parse_fleet
 from kvfleet.plan.check import check_fleet
 from kvfleet.plan.request_log import read_requests
-from kvfleet.plan.sizing import Plan, describe, recommend
+from kvfleet.plan.sizing import MAX_BATCH, Plan, describe, recommend
 
 PROG = "kvfleet plan"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -66,6 +67,18 @@ def fleet_yaml(plan: Plan, name: str, model: str, dtype_bytes: int) -> str:
     return note + yaml.safe_dump(fleet, sort_keys=False)
 
 
+def _fleet_engine(path: Path) -> FleetEngineSettings:
+    """The InferenceFleet's spec.engine as the operator reads it; ValueError (InvalidSpec) naming what to fix."""
+    fleet = yaml.safe_load(path.read_text())
+    spec = fleet.get("spec") if isinstance(fleet, dict) else None
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path} is not an InferenceFleet: it has no spec; give the YAML you apply with kubectl")
+    try:
+        return parse_fleet("fleet", "default", spec).engine
+    except InvalidSpec as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
 def _kv_bytes_per_token(model: str, dtype: str) -> tuple[int, int]:
     from kvfleet.engine.model_config import ModelConfig  # the engine's arithmetic, one source
     from kvfleet.engine.model_files import resolve_model
@@ -88,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{flag} must be a positive number, not {value}")
         if not 1 <= args.max_replicas <= 1000:
             raise ValueError(f"--max-replicas must be from 1 to 1000, not {args.max_replicas}")
+        for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--measured-batch", args.measured_batch)):
+            if value is not None and value > MAX_BATCH:
+                raise ValueError(f"{flag} must be at most {MAX_BATCH} (an InferenceFleet's maxNumSeqs), not {value}")
         kv_per_token, model_max_len = _kv_bytes_per_token(args.model, args.dtype)
-        fleet = yaml.safe_load(args.check.read_text()) if args.check else None
+        fleet = _fleet_engine(args.check) if args.check else None
     except (TraceError, ValueError, OSError, yaml.YAMLError) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
@@ -97,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                      max_tokens=args.max_tokens, target_qps=args.qps, max_num_seqs=args.max_num_seqs,
                      max_position_embeddings=model_max_len, max_replicas=args.max_replicas)
     if fleet is not None:
-        try:
-            warnings = check_fleet(fleet, plan, describe(trace), kv_per_token, model_max_len)
-        except (ValueError, TypeError) as err:
-            print(f"{PROG}: {args.check}: {err}", file=sys.stderr)
-            return 2
+        warnings = check_fleet(fleet, plan, describe(trace), kv_per_token)
         for warning in warnings:
             print(f"WARNING: {warning}")
         print(f"{args.check}: {'fits' if not warnings else f'{len(warnings)} warning(s)'} against {args.log}")

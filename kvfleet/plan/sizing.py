@@ -22,6 +22,8 @@ LOAD_TEST_FACTOR = 1.5  # size for 150 % of the target rate
 DECODE_SHARE = 0.8  # the batch where decode throughput reaches this share of its asymptote
 KV_HEADROOM = 1.1  # above the batch's P95 contexts: a few longer ones at once do not preempt
 SIM_SECONDS = 600
+MAX_SIM_REQUESTS = 200_000  # a faster rate replays fewer seconds: the replay stays seconds long, whatever the log
+MAX_BATCH = 4096  # the InferenceFleet's bound on maxNumSeqs
 RATE_WINDOW_S = 60
 
 
@@ -89,7 +91,7 @@ def with_batch(engine: EngineModel, max_num_seqs: int) -> EngineModel:
 def batch_for(engine: EngineModel, share: float = DECODE_SHARE) -> int:
     """The smallest batch (a multiple of 8) whose decode throughput is `share` of the asymptote: n / (n + h)."""
     n = share * engine.half_rate_batch / (1 - share)
-    return max(8, round_up(math.ceil(n), 8))
+    return min(MAX_BATCH, max(8, round_up(math.ceil(n), 8)))
 
 
 def synthetic(trace: Trace, qps: float, seconds: int, seed: int = 0) -> Trace:
@@ -182,7 +184,14 @@ def recommend(trace: Trace, *, block_size: int, kv_bytes_per_token: int, engine:
                    "the tokens a request has, so this, not maxModelLen x maxNumSeqs, is what the batch needs.")
     qps = target_qps if target_qps is not None else traffic.peak_qps
     sized = with_batch(engine, batch)
-    load = synthetic(trace, qps * LOAD_TEST_FACTOR, SIM_SECONDS)
+    rate = qps * LOAD_TEST_FACTOR
+    if rate > max_replicas * sized.capacity_rps:
+        reasons.append(f"Replicas > {max_replicas}: {rate:.2f} requests/s ({LOAD_TEST_FACTOR:.0%} of {qps:.2f}) is "
+                       f"more than {max_replicas} pods of {sized.capacity_rps:.2f} requests/s each can serve; raise "
+                       "--max-replicas or give a faster engine model.")
+        return Plan(max_model_len, block_size, batch, kv_tokens, kv_tokens * kv_bytes_per_token, None, qps,
+                    dict.fromkeys(Priority), tuple(reasons))
+    load = synthetic(trace, rate, max(1, min(SIM_SECONDS, int(MAX_SIM_REQUESTS / rate))))
     impossible = unreachable(load, sized, slo)
     if impossible:
         replicas, met = None, dict.fromkeys(Priority)
@@ -198,7 +207,7 @@ def recommend(trace: Trace, *, block_size: int, kv_bytes_per_token: int, engine:
     reasons.append(f"Replicas {replicas if replicas else f'> {max_replicas}'}: the fewest that meet {objectives} at "
                    f"{qps * LOAD_TEST_FACTOR:.2f} requests/s, {LOAD_TEST_FACTOR:.0%} of "
                    + (f"the target {qps:.2f}" if target_qps is not None else f"the busiest minute's {qps:.2f}")
-                   + f" (a {SIM_SECONDS} s replay of requests drawn from the log, each pod "
+                   + f" (a {load.duration_s} s replay of requests drawn from the log, each pod "
                      f"{sized.capacity_rps:.2f} requests/s of the benchmark's shape at that batch).")
     return Plan(max_model_len, block_size, batch, kv_tokens, kv_tokens * kv_bytes_per_token, replicas, qps, met,
                 tuple(reasons))
