@@ -110,7 +110,9 @@ def gateway(engine_url: str, redis_url: str, fleet: str, *extra: str) -> Iterato
 
 def hold(url: str, model_: str, stop: threading.Event, priority: int = 0) -> None:
     """A long stream sent to the engine directly (the gateway does not count it), dropped when told to."""
-    body = {"model": model_, "prompt": "busy", "max_tokens": 700, "ignore_eos": True, "stream": True,
+    # as long as the one-sequence engine's context allows: on a quiet machine 700 tokens ended within the 2 s the
+    # impatient client of the test below waits, and its request ran
+    body = {"model": model_, "prompt": "busy", "max_tokens": 1000, "ignore_eos": True, "stream": True,
             "priority": priority}
     with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", f"{url}/v1/completions", json=body,
                                                              timeout=120) as r:
