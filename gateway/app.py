@@ -32,11 +32,12 @@ from kvfleet.gateway.access import Tenant, TenantCharge, admit_key, authenticate
 from kvfleet.gateway.admission import Action, admit
 from kvfleet.gateway.class_grant import class_ceiling, class_refusal
 from kvfleet.gateway.config import GatewayConfig
-from kvfleet.gateway.degradation import STEP_MAX_TOKENS, cap_output, header_value, output_cap
+from kvfleet.gateway.degradation import cap_output, header_value, output_cap, step_of
 from kvfleet.gateway.endpoints import EndpointPool
 from kvfleet.gateway.fleet_queue import FleetQueue, Outcome
 from kvfleet.gateway.kv_events_client import KVEventFollower
 from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.model_routes import ModelRoute
 from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys, Tokenize
 from kvfleet.gateway.proxy import Forwarder
 from kvfleet.gateway.queue_order import Placement, Refusal
@@ -89,6 +90,7 @@ class Gateway:
     _release_task: asyncio.Task | None = None
     tenant_metrics: TenantMetrics = field(init=False)
     slo_counts: SloCounts = field(init=False)  # per class, for the operator (Redis; none without it)
+    route: ModelRoute | None = None  # the model it serves behind a ModelFront (gateway/model_front.py)
 
     def __post_init__(self) -> None:
         self.pool = EndpointPool(self.config.eject_after_failures, self.config.eject_seconds)
@@ -183,22 +185,11 @@ class Gateway:
 
     # ---- one request --------------------------------------------------------------------------------------
     async def handle(self, request: Request, path: str) -> Response:
-        request_id = request_id_from(request.headers.get(headers.REQUEST_ID))
-        priority = DEFAULT_PRIORITY
-        try:
-            try:
-                priority = parse_priority(request.headers.get(headers.PRIORITY))
-            except ValueError as err:
-                raise APIError(400, str(err), param=headers.PRIORITY) from None
-            response = await self._handle(request, path, request_id, priority)
-        except APIError as err:
-            response = err.response()
-        response.headers[headers.REQUEST_ID] = request_id
-        self.metrics.requests.labels(priority.value, str(response.status_code)).inc()
-        return response
+        return await handle_request(self, request, path)
 
-    async def _handle(self, request: Request, path: str, request_id: str, priority: Priority) -> Response:
-        admitted = await self.admit_request(path, request.headers, request.body, priority, request.is_disconnected)
+    async def send_admitted(self, request: Request, path: str, request_id: str, priority: Priority,
+                            admitted: Admitted) -> Response:
+        """The Python proxy's half after admission: forward to an engine, settle the token reservation."""
         settlement = admitted.settlement
         try:
             response = await unless_client_leaves(request.receive, self.forwarder.forward(
@@ -216,17 +207,34 @@ class Gateway:
             settlement.refund()  # an answer the relay did not count (a busy engine's refusal); no-op once settled
         return response
 
+    async def admit(self, path: str, request_headers: Mapping[str, str], read_body: Callable[[], Awaitable[bytes]],
+                    priority: Priority, is_disconnected: Callable[[], Awaitable[bool]],
+                    on_queue: Callable[[float], Awaitable[None]] | None = None, stream_usage: bool = True,
+                    on_fleet: Callable[[Gateway], None] | None = None) -> tuple[Gateway, Admitted]:
+        """The fleet that will serve the request and its admission (one fleet here; gateway/model_front.py chooses
+        among several by `model`). `on_fleet` learns the fleet once it is known, before any refusal of its own."""
+        if on_fleet is not None:
+            on_fleet(self)
+        return self, await self.admit_request(path, request_headers, read_body, priority, is_disconnected, on_queue,
+                                              stream_usage)
+
+    def has_room(self) -> bool:
+        """Whether a request arriving now would go to an engine at once (nobody waits, an engine has room)."""
+        return self.queue.total() == 0 and bool(available(self.pool.snapshots(), self.config.saturation))
+
     async def admit_request(self, path: str, request_headers: Mapping[str, str],
                             read_body: Callable[[], Awaitable[bytes]], priority: Priority,
                             is_disconnected: Callable[[], Awaitable[bool]],
                             on_queue: Callable[[float], Awaitable[None]] | None = None,
-                            stream_usage: bool = True) -> Admitted:
+                            stream_usage: bool = True, parsed: dict | None = None, rewritten: bool = False,
+                            degraded: str | None = None) -> Admitted:
         """Everything the gateway decides before a request goes to an engine, whatever carries its bytes (this
         proxy or Envoy): the key, the class it may claim, the strict schema, rpm/tpm, the trust rule on priority,
         and the admission verdict with its wait in the fleet queue. APIError for a refusal or a shed;
         `on_queue(max_queue_ms)` is told before a wait in the queue. The body is read only once the headers pass.
         `stream_usage` False: nothing will read a stream's usage chunk (an Envoy without kvfleet's Lua filter), so
-        the engine is not asked for it."""
+        the engine is not asked for it. `parsed`: the body, already parsed and checked (read_body still gives its
+        bytes), and rewritten where `degraded` names the ladder's step that rewrote it (a fallback model)."""
         arrived_at = time.monotonic()  # its time to first token counts from here
         max_queue_ms = self._max_queue_ms(request_headers.get(headers.MAX_QUEUE_MS))
         key = authenticate(self.keys, request_headers)
@@ -237,11 +245,7 @@ class Gateway:
         tenant = request_tenant(key, request_headers, self.config.tenant_max_queued, self.config.tenant_max_inflight)
         self.tenant_metrics.arrived(tenant.name)
         raw = await read_body()
-        try:  # the engines' own strict schema: a body they would refuse never waits in the queue or costs a retry
-            body = parse_json(raw)
-            validate_request(path, body)
-        except RequestSchemaError as err:
-            raise APIError(400, err.message, param=err.param) from None
+        body = check_body(path, raw) if parsed is None else parsed
         hashes = self.prefix.keys(path, body) if self.config.routing in PREFIX_STRATEGIES else PromptKeys([])
         share = TenantCharge(self.queue, priority, tenant, request_cost(body), self._run_in_background) \
             if self.config.queue_policy == "fair" else None
@@ -262,7 +266,7 @@ class Gateway:
             body["priority"] = engine_priority  # the engine admits and preempts by it too
         if settlement is not None and stream_usage and ask_stream_usage(body):
             settlement.hide_stream_usage = changed = True  # the count comes from the usage chunk, hidden again
-        degraded = None
+        changed = changed or rewritten
         try:
             await self._take_in_flight_slot(tenant, priority, settlement)
             snapshots = self.pool.snapshots()
@@ -289,7 +293,7 @@ class Gateway:
                 settlement.refund()  # refused, shed or timed out in the queue: nothing was generated
             raise
         if degraded is not None:  # counted once it goes to an engine, not if its wait in the queue ran out
-            self.metrics.degraded.labels(priority.value, STEP_MAX_TOKENS).inc()
+            self.metrics.degraded.labels(priority.value, step_of(degraded)).inc()
         if changed:
             raw = json.dumps(body).encode()
         return Admitted(raw, changed, hashes, settlement, degraded)
@@ -404,6 +408,27 @@ class Gateway:
         self._tasks.append(task)
         task.add_done_callback(self._tasks.remove)
 
+    async def models_response(self, request_headers: Mapping[str, str]) -> Response:
+        """GET /v1/models: the key checked and counted, then an engine's own list."""
+        await self._limit(authenticate(self.keys, request_headers), None)
+        upstream, url = await self.engine_models()
+        return Response(upstream.content, upstream.status_code, media_type="application/json",
+                        headers={headers.ENGINE: url})
+
+    async def engine_models(self) -> tuple[httpx.Response, str]:
+        """An engine's GET /v1/models answer, and the engine; 503 while none is available, 502 if it fails."""
+        url = self.forwarder.choose(PromptKeys([]), must=True)
+        if url is None:
+            raise APIError(503, "no engine is available yet; retry shortly", "service_unavailable",
+                           code="no_engine", headers={headers.RETRY_AFTER: "1"})
+        try:
+            key = self.config.engine_api_key
+            upstream = await self.client.get(f"{url}/v1/models", timeout=5.0,
+                                             headers={headers.AUTHORIZATION: f"Bearer {key}"} if key else None)
+        except httpx.HTTPError as err:
+            raise APIError(502, f"engine {url} failed: {type(err).__name__}", "server_error") from err
+        return upstream, url
+
     # ---- status -------------------------------------------------------------------------------------------
     def ready_body(self) -> dict:
         snaps = self.pool.snapshots()
@@ -417,6 +442,10 @@ class Gateway:
         return body
 
     def render_metrics(self) -> bytes:
+        self.refresh_gauges()
+        return generate_latest(self.metrics.registry)
+
+    def refresh_gauges(self) -> None:
         self.tenant_metrics.refresh()  # a tenant that stopped sending is demoted even while nobody sends
         snaps = self.pool.snapshots()
         policy = self.config.saturation
@@ -426,7 +455,6 @@ class Gateway:
             self.metrics.scrape_age.labels(e.url).set(min(e.metrics_age_s, 1e9))
         for state, n in states.items():
             self.metrics.endpoints.labels(state).set(n)
-        return generate_latest(self.metrics.registry)
 
 
 def _discovery(config: GatewayConfig):
@@ -435,6 +463,38 @@ def _discovery(config: GatewayConfig):
     if config.k8s_selector:
         return KubernetesDiscovery(config.k8s_namespace, config.k8s_selector, config.k8s_port_name)
     return StaticDiscovery(config.engines)
+
+
+def check_body(path: str, raw: bytes) -> dict:
+    """The body as JSON, checked against the engines' own strict schema: a body they would refuse never waits in
+    the queue or costs a retry."""
+    try:
+        body = parse_json(raw)
+        validate_request(path, body)
+    except RequestSchemaError as err:
+        raise APIError(400, err.message, param=err.param) from None
+    return body
+
+
+async def handle_request(front, request: Request, path: str) -> Response:
+    """One request through the Python proxy: `front` (a Gateway, or a ModelFront of several) admits it to a fleet,
+    whose forwarder sends it; the answer is counted in that fleet's metrics (the front's before one is chosen)."""
+    request_id = request_id_from(request.headers.get(headers.REQUEST_ID))
+    priority = DEFAULT_PRIORITY
+    fleet = [front]
+    try:
+        try:
+            priority = parse_priority(request.headers.get(headers.PRIORITY))
+        except ValueError as err:
+            raise APIError(400, str(err), param=headers.PRIORITY) from None
+        gateway, admitted = await front.admit(path, request.headers, request.body, priority,
+                                              request.is_disconnected, on_fleet=lambda g: fleet.append(g))
+        response = await gateway.send_admitted(request, path, request_id, priority, admitted)
+    except APIError as err:
+        response = err.response()
+    response.headers[headers.REQUEST_ID] = request_id
+    fleet[-1].metrics.requests.labels(priority.value, str(response.status_code)).inc()
+    return response
 
 
 def request_id_from(given: str | None) -> str:
@@ -474,19 +534,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        await gateway._limit(authenticate(gateway.keys, request.headers), None)
-        url = gateway.forwarder.choose(PromptKeys([]), must=True)
-        if url is None:
-            raise APIError(503, "no engine is available yet; retry shortly", "service_unavailable",
-                           code="no_engine", headers={headers.RETRY_AFTER: "1"})
-        try:
-            key = gateway.config.engine_api_key
-            upstream = await gateway.client.get(f"{url}/v1/models", timeout=5.0,
-                                                headers={headers.AUTHORIZATION: f"Bearer {key}"} if key else None)
-        except httpx.HTTPError as err:
-            raise APIError(502, f"engine {url} failed: {type(err).__name__}", "server_error") from err
-        return Response(upstream.content, upstream.status_code, media_type="application/json",
-                        headers={headers.ENGINE: url})
+        return await gateway.models_response(request.headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -2,13 +2,14 @@
 
 Key lines (a file, or each value of a Kubernetes Secret) read
 `<key or sha256:<64 hex>> [name=N] [rpm=N] [tpm=N] [weight=W] [max_queued=N] [max_inflight=N]
-[allow_priority=true|false] [max_class=critical|standard|sheddable]`; `#` at a line's start or after a space starts
-a comment (a key cannot start with `#` or hold spaces).
+[allow_priority=true|false] [allow_fallback=true|false] [max_class=critical|standard|sheddable]`; `#` at a line's
+start or after a space starts a comment (a key cannot start with `#` or hold spaces).
 A key's name is its tenant in the fleet queue's fair share, `weight` its share (default 1), `max_queued` and
 `max_inflight` its tenant's caps on requests waiting in the fleet queue and admitted but unfinished (default: the
 gateway's --tenant-max-queued / --tenant-max-inflight); keys with the same name are one tenant, so they must give
 the same weight and caps. `max_class` is the highest class (`x-kvfleet-priority`) the key may claim (default: the
-gateway's --max-class; gateway/class_grant.py refuses more).
+gateway's --max-class; gateway/class_grant.py refuses more); `allow_fallback` lets its requests go to their
+model's fallback model while theirs is saturated, as `x-kvfleet-allow-fallback: true` does.
 Hash a key for the file with `printf %s "$KEY" | sha256sum`.
 """
 
@@ -31,7 +32,7 @@ from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
 HASH_PREFIX = "sha256:"
 LIMIT_OPTIONS = ("rpm", "tpm")
 TENANT_CAP_OPTIONS = ("max_queued", "max_inflight")
-BOOLEAN_OPTIONS = ("allow_priority",)
+BOOLEAN_OPTIONS = ("allow_priority", "allow_fallback")
 WEIGHT_RANGE = (0.01, 1000.0)
 COMMENT = re.compile(r"(^|\s)#.*")
 
@@ -45,6 +46,7 @@ class KeyInfo:
     rpm: int | None = None
     tpm: int | None = None
     allow_priority: bool = False  # may set the engine's `priority` in the body; else the gateway drops it
+    allow_fallback: bool = False  # its requests may go to a fallback model while theirs is saturated
     weight: float = 1.0  # its tenant's (its name's) share of the fleet queue, relative to other tenants
     max_queued: int | None = None  # its tenant's caps (None: the gateway's defaults)
     max_inflight: int | None = None
@@ -82,13 +84,14 @@ def _parse_line(line: str, default_rpm: int | None, default_tpm: int | None) -> 
         raise ValueError(f"the key must come first, before {first.split('=', 1)[0]}=")
     digest = _digest_of(first)
     settings: dict[str, Any] = {"name": digest[:12], "rpm": default_rpm, "tpm": default_tpm, "allow_priority": False,
+                                "allow_fallback": False,
                                 "weight": 1.0, "max_queued": None, "max_inflight": None, "max_class": None}
     seen: set[str] = set()
     for option in options:
         field, sep, value = option.partition("=")
         if not sep or field not in settings:
             raise ValueError(f"unknown option {option!r}; expected name=, rpm=, tpm=, weight=, max_queued=, "
-                             "max_inflight=, allow_priority= or max_class=")
+                             "max_inflight=, allow_priority=, allow_fallback= or max_class=")
         if field in seen:
             raise ValueError(f"{field}= is given twice")
         if not value:

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from kvfleet.fleet.engine_settings import ENGINE_API_KEY_ENV
-from kvfleet.fleet.headers import MAX_QUEUE_MS, PRIORITY
+from kvfleet.fleet.headers import ALLOW_FALLBACK, MAX_QUEUE_MS, PRIORITY
 from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import Priority, engine_priority
@@ -20,6 +20,7 @@ from kvfleet.gateway.config import (
     parse_queue_caps,
 )
 from kvfleet.gateway.fair_order import QUEUE_POLICIES
+from kvfleet.gateway.model_routes import routes_from_flags, split_named_value
 from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
 
 
@@ -42,8 +43,16 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="with --data-plane envoy-sidecar: the EDS file of engines this process keeps current and "
                         "the sidecar Envoy watches (in a folder of its own, shared by both containers)")
     d = p.add_argument_group("discovery (one of)")
-    d.add_argument("--engine", action="append", default=[], metavar="URL",
-                   help="an engine's base URL, e.g. http://127.0.0.1:8000 (repeatable)")
+    d.add_argument("--engine", action="append", default=[], metavar="[NAME=]URL",
+                   help="an engine's base URL, e.g. http://127.0.0.1:8000 (repeatable); NAME=URL serves several "
+                        "models, each its own fleet (queue, limits, Redis keys, metrics labelled model=NAME), chosen "
+                        "by the request's `model`")
+    d.add_argument("--model-alias", action="append", default=[], metavar="ALIAS=NAME",
+                   help="another name clients may send for the model NAME of an --engine NAME=URL (repeatable)")
+    d.add_argument("--fallback", action="append", default=[], metavar="NAME=OTHER",
+                   help="the degradation ladder's second rung: while NAME's fleet is saturated and OTHER's has room, "
+                        f"requests that allow it ({ALLOW_FALLBACK}: true, or a key's allow_fallback=true) go to "
+                        "OTHER; the answer's `model` and x-kvfleet-degraded say so (repeatable)")
     d.add_argument("--k8s-namespace", default=None, help="watch ready engine pods in this namespace")
     d.add_argument("--k8s-selector", default=None, help="label selector of the engine pods, e.g. kvfleet.io/fleet=chat")
     d.add_argument("--k8s-port-name", default=ENGINE_PORT_NAME, help="the engine container's port name")
@@ -78,10 +87,11 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         f"the rest share 'other' (0: only 'other'; at most {MAX_TENANT_METRICS_TOP})")
     r = p.add_argument_group("routing")
     r.add_argument("--routing", choices=ROUTING_STRATEGIES, default=d0.routing)
-    r.add_argument("--tokenizer", default=d0.tokenizer, metavar="MODEL",
+    r.add_argument("--tokenizer", action="append", default=[], metavar="[NAME=]MODEL",
                    help="the engines' model (a built-in name such as smollm2-135m-instruct, or a local HF directory): "
                         "prompts are tokenized as the engines do and routed by the blocks the engines' KV events "
-                        "say they hold; without it, by an approximate table of prompt characters")
+                        "say they hold; without it, by an approximate table of prompt characters. NAME=MODEL: for "
+                        "the model NAME of an --engine NAME=URL (repeatable)")
     r.add_argument("--weight-queue", type=float, default=d0.weights.queue)
     r.add_argument("--weight-kv", type=float, default=d0.weights.kv)
     r.add_argument("--weight-prefix", type=float, default=d0.weights.prefix)
@@ -110,7 +120,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("access control")
     a.add_argument("--api-keys-file", default=None,
                    help="one key per line: <key or sha256:<hex>> [name=N] [rpm=N] [tpm=N] "
-                        "[weight=W] [allow_priority=true] [max_class=critical|standard|sheddable]")
+                        "[weight=W] [allow_priority=true] [allow_fallback=true] "
+                        "[max_class=critical|standard|sheddable]")
     a.add_argument("--api-keys-secret", default=None, metavar="NAMESPACE/NAME",
                    help="read the keys from a Kubernetes Secret (same line format in each value)")
     a.add_argument("--max-class", choices=[c.value for c in Priority], default=d0.max_class.value,
@@ -148,10 +159,17 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
 
 
 def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    named_tokenizers = [t for t in args.tokenizer if split_named_value(t, "--tokenizer")[0] is not None]
+    bare_tokenizers = [t for t in args.tokenizer if t not in named_tokenizers]
+    routes = routes_from_flags(args.engine, args.model_alias, named_tokenizers, args.fallback)
+    if not routes and named_tokenizers:
+        raise ValueError("--tokenizer NAME=MODEL needs models named by --engine NAME=URL")
+    if routes and bare_tokenizers:
+        raise ValueError("with models named by --engine NAME=URL, give each its tokenizer as --tokenizer NAME=MODEL")
     return GatewayConfig(
-        engines=args.engine, k8s_namespace=args.k8s_namespace, k8s_selector=args.k8s_selector,
-        k8s_port_name=args.k8s_port_name, fleet=args.fleet, redis_url=args.redis_url, routing=args.routing,
-        tokenizer=args.tokenizer,
+        engines=[] if routes else args.engine, models=routes, k8s_namespace=args.k8s_namespace,
+        k8s_selector=args.k8s_selector, k8s_port_name=args.k8s_port_name, fleet=args.fleet,
+        redis_url=args.redis_url, routing=args.routing, tokenizer=(bare_tokenizers or [None])[-1],
         weights=ScoreWeights(args.weight_queue, args.weight_kv, args.weight_prefix),
         saturation=SaturationPolicy(args.saturation_queue, args.saturation_kv, args.max_metrics_age_ms / 1000.0,
                                     args.queue_release_depth),

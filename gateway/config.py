@@ -11,6 +11,7 @@ from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
 from kvfleet.gateway.fair_order import QUEUE_POLICIES
+from kvfleet.gateway.model_routes import ModelRoute
 from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
 from kvfleet.gateway.strategies import STRATEGIES
 
@@ -26,6 +27,8 @@ MAX_TENANT_METRICS_TOP = 1000  # tenants named in the per-tenant metrics: each a
 @dataclass
 class GatewayConfig:
     engines: list[str] = field(default_factory=list)  # static discovery
+    # several models, each its own fleet (gateway/model_front.py); empty: one fleet, from engines or k8s_selector
+    models: list[ModelRoute] = field(default_factory=list)
     k8s_namespace: str | None = None  # Kubernetes discovery (with k8s_selector)
     k8s_selector: str | None = None
     k8s_port_name: str = ENGINE_PORT_NAME
@@ -74,6 +77,8 @@ class GatewayConfig:
         from kvfleet.gateway.discovery import normalize_engine_url
 
         self.engines = [normalize_engine_url(url) for url in self.engines]
+        if self.models and (self.engines or self.k8s_selector):
+            raise ValueError("name every model's engines (--engine NAME=URL), or give one fleet's engines; not both")
         if self.engines and self.k8s_selector:
             raise ValueError("use either --engine (static) or --k8s-selector (Kubernetes discovery), not both")
         if self.k8s_selector and not self.k8s_namespace:

@@ -1,7 +1,8 @@
-"""The degradation ladder's first rung, pure: while the fleet is saturated (a request arriving would wait, or
+"""The degradation ladder, pure. Its first rung: while the fleet is saturated (a request arriving would wait, or
 passes only by the critical-first rule), a request of a class given a cap has its output allowance lowered to it,
-so every answer in the batch ends sooner and the queue drains faster; the answer says so in `x-kvfleet-degraded`.
-The last rung is shedding (admission.py). Nothing changes while the fleet has room."""
+so every answer in the batch ends sooner and the queue drains faster. Its second: a request its client (or key)
+lets fall back goes to its model's fallback model while that one has room (gateway/model_front.py). The answer says
+which in `x-kvfleet-degraded`. The last rung is shedding (admission.py). Nothing changes while the fleet has room."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from collections.abc import Mapping
 from kvfleet.fleet.openai_schema import COMPLETIONS_DEFAULT_MAX_TOKENS
 from kvfleet.fleet.priority import Priority
 
-STEP_MAX_TOKENS = "max_tokens"  # the step's name in kvfleet_gateway_degraded_total and the answer's header
+STEP_MAX_TOKENS = "max_tokens"  # the steps' names in kvfleet_gateway_degraded_total and the answer's header
+STEP_FALLBACK = "fallback"
+FALLBACK_VALUES = {"true": True, "false": False, "": False}  # x-kvfleet-allow-fallback's values
 
 
 def output_cap(priority: Priority, saturated: bool, caps: Mapping[Priority, int]) -> int | None:
@@ -39,3 +42,22 @@ def cap_output(path: str, body: dict, cap: int) -> bool:
 
 def header_value(cap: int) -> str:
     return f"{STEP_MAX_TOKENS}={cap}"
+
+
+def fallback_header_value(model: str) -> str:
+    return f"{STEP_FALLBACK}={model}"
+
+
+def step_of(header: str) -> str:
+    """The step's name in a DEGRADED header value."""
+    return header.partition("=")[0]
+
+
+def fallback_allowed(header: str | None, key_allows: bool) -> bool:
+    """Whether a request may go to a fallback model: its key allows it, or the client asks with the header.
+    ValueError for a header value that is neither true nor false."""
+    try:
+        asked = FALLBACK_VALUES[(header or "").strip().lower()]
+    except KeyError:
+        raise ValueError(f"must be true or false, not {header[:40]!r}") from None
+    return key_allows or asked

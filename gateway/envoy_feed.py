@@ -47,6 +47,7 @@ class Expected:
 
     priority: str
     settlement: Settlement | None
+    metrics: GatewayMetrics  # its fleet's (one per model behind a ModelFront)
     closed_at: float | None = None  # monotonic time its ext_proc stream closed (the request ended in Envoy)
 
 
@@ -61,13 +62,13 @@ class EnvoyFeed(AccessLogServiceServicer):
         self._sweeper: asyncio.Task | None = None
         self._urls: dict[str, str] = {}  # engine ip:port -> the pool's URL for it
 
-    def expect(self, priority: str, settlement: Settlement | None, degraded: str | None = None
-               ) -> tuple[str, Struct]:
+    def expect(self, priority: str, settlement: Settlement | None, degraded: str | None = None,
+               metrics: GatewayMetrics | None = None) -> tuple[str, Struct]:
         """A ticket for a request about to be routed, and the dynamic metadata that carries it (and tells the Lua
         filter whether to count the answer's tokens, hide the usage chunk only the gateway asked for, and mark the
-        answer degraded)."""
+        answer degraded). `metrics`: its fleet's, where the answer is counted (default: the feed's)."""
         ticket = f"{self._prefix}-{next(self._numbers)}"
-        self.expected[ticket] = Expected(priority, settlement)
+        self.expected[ticket] = Expected(priority, settlement, metrics or self.metrics)
         fields: dict = {"ticket": ticket}
         if degraded is not None:
             fields["degraded"] = degraded
@@ -104,9 +105,10 @@ class EnvoyFeed(AccessLogServiceServicer):
             return
         status = entry.response.response_code.value
         flags = flag_names(common.response_flags)
-        self.metrics.labelled(self.metrics.requests, expected.priority, str(status or CLIENT_CLOSED)).inc()
+        metrics = expected.metrics
+        metrics.labelled(metrics.requests, expected.priority, str(status or CLIENT_CLOSED)).inc()
         if common.upstream_request_attempt_count > 1:  # Envoy retried on the fallback engine, after an engine fault
-            self.metrics.retries.labels(ENVOY_RETRY).inc(common.upstream_request_attempt_count - 1)
+            metrics.retries.labels(ENVOY_RETRY).inc(common.upstream_request_attempt_count - 1)
         if expected.settlement is not None:
             _settle(expected.settlement, status, "DC" in flags, fields)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -63,6 +63,7 @@ class EndpointPicker(ExternalProcessorServicer):
         priority = DEFAULT_PRIORITY
         modes = modes_of(first)
         url: str | None = None
+        fleet = [self.gateway]  # the fleet the request was admitted to, once known (its metrics count it)
         try:
             refuse_unroutable(modes)
             try:
@@ -70,23 +71,24 @@ class EndpointPicker(ExternalProcessorServicer):
             except ValueError as err:
                 raise APIError(400, str(err), param=headers.PRIORITY) from None
             url = await self._decide(context, request_headers, priority, first.request_headers.end_of_stream,
-                                     subset_hint(first), modes, request_id)
+                                     subset_hint(first), modes, request_id, fleet.append)
         except APIError as err:
             if err.status != 499:  # a client that left is answered by nobody
                 await context.write(immediate(err, request_id))
-            metrics = self.gateway.metrics
+            metrics = fleet[-1].metrics
             metrics.labelled(metrics.requests, priority.value, str(err.status)).inc()
             return
+        gateway = fleet[-1]
         if self.feed is None:  # else counted with the answer's real status from Envoy's entry
-            self.gateway.metrics.labelled(self.gateway.metrics.requests, priority.value, "200").inc()
+            gateway.metrics.labelled(gateway.metrics.requests, priority.value, "200").inc()
         # Envoy closes the stream when the request is done; our own Envoy sends nothing more before that. An engine
         # that stops answering even its /metrics (a blackhole: EndpointPool.mark_unreachable) ends the wait, and
         # the picker ends the request: Envoy answers 503 if the engine had not answered yet, else resets the stream.
         silent = asyncio.timeout(None)
-        self.gateway.pool.watch(url, silent)
+        gateway.pool.watch(url, silent)
         # a critical request waits to start until the answer's headers come (a gateway that sends them to its
         # picker), else, with our own Envoy's response_header_mode SKIP, until the request ends
-        started = self.gateway.pool.critical_sent(url) if priority is Priority.CRITICAL else nothing_counted
+        started = gateway.pool.critical_sent(url) if priority is Priority.CRITICAL else nothing_counted
         try:
             async with silent:
                 while (message := await context.read()) is not grpc.aio.EOF:
@@ -98,15 +100,15 @@ class EndpointPicker(ExternalProcessorServicer):
         except TimeoutError:
             await context.write(immediate(engine_went_silent(url), request_id))
         finally:
-            self.gateway.pool.unwatch(url, silent)
-            self.gateway.pool.record_done(url, None)
+            gateway.pool.unwatch(url, silent)
+            gateway.pool.record_done(url, None)
             started()
 
     async def _decide(self, context: grpc.aio.ServicerContext, request_headers: Mapping[str, str],
                       priority, no_body: bool, subset: frozenset[str] | None = None, modes: Modes = OWN,
-                      request_id: str | None = None) -> str:
-        gateway = self.gateway
-        limits = gateway.config.http_limits
+                      request_id: str | None = None, on_fleet: Callable[[Gateway], None] | None = None) -> str:
+        front = self.gateway
+        limits = front.config.http_limits
         left = asyncio.Event()
         context.add_done_callback(lambda _: left.set())
         streamed = StreamedBody()
@@ -116,7 +118,7 @@ class EndpointPicker(ExternalProcessorServicer):
             if no_body:  # Envoy sends no body message for an empty body: the schema refuses it as the proxy does
                 return b""
             if modes.duplex:  # the headers phase waits for its answer until the route is known
-                streamed = await read_streamed_body(context, gateway.config.max_body_bytes)
+                streamed = await read_streamed_body(context, front.config.max_body_bytes)
                 return streamed.body
             await context.write(_CONTINUE)
             try:  # Envoy buffers the body and sends it whole: bounded as the Python front bounds it
@@ -137,8 +139,8 @@ class EndpointPicker(ExternalProcessorServicer):
                 override_message_timeout=Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9))))
 
         path = request_headers.get(":path", "").split("?", 1)[0]
-        admitted = await gateway.admit_request(path, request_headers, read_body, priority, is_disconnected, on_queue,
-                                               stream_usage=self.feed is not None)
+        gateway, admitted = await front.admit(path, request_headers, read_body, priority, is_disconnected, on_queue,
+                                              stream_usage=self.feed is not None, on_fleet=on_fleet)
         urls = pick_destinations(gateway.forwarder, admitted.hashes, subset, priority is Priority.CRITICAL)
         url = urls[0] if urls else None  # the chosen engine; the rest are Envoy's fallbacks
         if url is None:
@@ -152,7 +154,8 @@ class EndpointPicker(ExternalProcessorServicer):
         message = route_to(urls, admitted.body if admitted.changed else None, gateway.config.engine_api_key,
                            request_id)
         if self.feed is not None:  # the ticket Envoy's access log entry brings back with the answer's usage
-            ticket, metadata = self.feed.expect(priority.value, admitted.settlement, admitted.degraded)
+            ticket, metadata = self.feed.expect(priority.value, admitted.settlement, admitted.degraded,
+                                                gateway.metrics)
             message.dynamic_metadata.MergeFrom(metadata)  # beside the envoy.lb namespace route_to may set
             context.add_done_callback(lambda _: self.feed.closed(ticket))
         elif admitted.settlement is not None:

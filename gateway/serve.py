@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
+from collections.abc import Callable
 
 import uvicorn
 
@@ -15,12 +17,19 @@ from kvfleet.gateway.prefix_routing import Tokenize
 
 
 def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30.0,
-          tokenize: Tokenize | None = None) -> int:
-    """`tokenize`: the engines' tokenizer for config.tokenizer, built by the caller (kvfleet/prompt_tokens.py)."""
+          tokenize: Tokenize | None = None,
+          tokenizer_for: Callable[[str | None], Tokenize | None] = lambda _: None) -> int:
+    """`tokenize`: the engines' tokenizer for config.tokenizer, built by the caller (kvfleet/prompt_tokens.py);
+    `tokenizer_for`: builds each model's with several models (config.models)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
     if config.data_plane == "envoy" and _no_envoy_here():
         config.data_plane = "python"
-    gateway = Gateway(config, tokenize=tokenize)
+    if config.models:
+        from kvfleet.gateway.model_front import ModelFront
+
+        gateway = ModelFront(config, config.models, functools.cache(tokenizer_for))
+    else:
+        gateway = Gateway(config, tokenize=tokenize)
     _attach_access_control(gateway)
     if config.data_plane == "envoy":
         from kvfleet.gateway.envoy_front import serve_with_envoy
@@ -52,7 +61,8 @@ def _no_envoy_here() -> bool:
 
 
 def _say_serving(config: GatewayConfig, host: str, port: int) -> None:
-    source = (f"{len(config.engines)} static engine(s)" if config.engines else
+    source = (", ".join(f"{m.name} ({len(m.engines)} engine(s))" for m in config.models) if config.models else
+              f"{len(config.engines)} static engine(s)" if config.engines else
               f"pods {config.k8s_selector!r} in {config.k8s_namespace}" if config.k8s_selector else "no engines")
     print(f"kvfleet gateway: http://{host}:{port} -> {source}, fleet {config.fleet!r}, "
           f"queue {'in Redis' if config.redis_url else 'in-process'}, data plane {config.data_plane}",

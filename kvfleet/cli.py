@@ -81,7 +81,8 @@ def _gateway(args: argparse.Namespace) -> int:
     from kvfleet.prompt_tokens import prompt_tokenizer
 
     config = gateway_config_from_args(args)
-    return serve(config, args.host, args.port, tokenize=prompt_tokenizer(config.tokenizer))
+    return serve(config, args.host, args.port, tokenize=prompt_tokenizer(config.tokenizer),
+                 tokenizer_for=prompt_tokenizer)
 
 
 def _add_gateway_command(sub: argparse._SubParsersAction) -> None:

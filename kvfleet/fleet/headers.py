@@ -11,6 +11,7 @@ PRIORITY = "x-kvfleet-priority"  # critical | standard | sheddable (kvfleet.flee
 MAX_QUEUE_MS = "x-kvfleet-max-queue-ms"  # the longest wait in the gateway's queue
 TENANT = "x-kvfleet-tenant"  # the fair-share tenant where no API keys are configured (unverified; ignored with keys)
 AUTHORIZATION = "authorization"  # `Bearer <key>`: the client's API key, or the gateway's engine key
+ALLOW_FALLBACK = "x-kvfleet-allow-fallback"  # `true`: the request may be served by its model's fallback model
 API_KEY = "x-api-key"  # the raw key, for clients that cannot send a bearer token
 
 # Set on answers.
