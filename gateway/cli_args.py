@@ -56,6 +56,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--k8s-namespace", default=None, help="watch ready engine pods in this namespace")
     d.add_argument("--k8s-selector", default=None, help="label selector of the engine pods, e.g. kvfleet.io/fleet=chat")
     d.add_argument("--k8s-port-name", default=ENGINE_PORT_NAME, help="the engine container's port name")
+    d.add_argument("--k8s-fleet", action="append", default=[], metavar="NAME",
+                   help="front the InferenceFleet NAME in --k8s-namespace as one of several models (its spec.model; "
+                        "its pods by kvfleet.io/fleet=NAME; its Redis keys by NAME) (repeatable)")
+    d.add_argument("--k8s-fleet-selector", default=None, metavar="SELECTOR",
+                   help="front every InferenceFleet in --k8s-namespace with these labels (\"\" for all), each as "
+                        "--k8s-fleet does; fleets that appear or go are served or dropped within seconds")
     q = p.add_argument_group("fleet queue")
     q.add_argument("--fleet", default=d0.fleet, help=f"fleet name; Redis keys start with {key_prefix('<fleet>')}")
     q.add_argument("--redis-url", default=None,
@@ -168,6 +174,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise ValueError("with models named by --engine NAME=URL, give each its tokenizer as --tokenizer NAME=MODEL")
     return GatewayConfig(
         engines=[] if routes else args.engine, models=routes, k8s_namespace=args.k8s_namespace,
+        k8s_fleets=args.k8s_fleet, k8s_fleet_selector=args.k8s_fleet_selector,
         k8s_selector=args.k8s_selector, k8s_port_name=args.k8s_port_name, fleet=args.fleet,
         redis_url=args.redis_url, routing=args.routing, tokenizer=(bare_tokenizers or [None])[-1],
         weights=ScoreWeights(args.weight_queue, args.weight_kv, args.weight_prefix),

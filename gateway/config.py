@@ -32,6 +32,9 @@ class GatewayConfig:
     k8s_namespace: str | None = None  # Kubernetes discovery (with k8s_selector)
     k8s_selector: str | None = None
     k8s_port_name: str = ENGINE_PORT_NAME
+    # several models from Kubernetes: the InferenceFleets a label selector picks, or those named (fleet_routes.py)
+    k8s_fleet_selector: str | None = None
+    k8s_fleets: list[str] = field(default_factory=list)
     fleet: str = "default"
     redis_url: str | None = None
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -73,10 +76,23 @@ class GatewayConfig:
     tpm_per_key: int | None = None
     tenant_metrics_top: int = 20  # tenants with their own kvfleet_gateway_tenant_* series; the rest are "other"
 
+    @property
+    def several_models(self) -> bool:
+        """Whether a ModelFront serves several fleets (by `model`), not one Gateway one fleet."""
+        return bool(self.models or self.k8s_fleets) or self.k8s_fleet_selector is not None
+
     def __post_init__(self) -> None:
         from kvfleet.gateway.discovery import normalize_engine_url
 
         self.engines = [normalize_engine_url(url) for url in self.engines]
+        fleets_from_k8s = self.k8s_fleet_selector is not None or bool(self.k8s_fleets)
+        if fleets_from_k8s and (self.engines or self.k8s_selector or self.models):
+            raise ValueError("--k8s-fleet/--k8s-fleet-selector find the models themselves: leave out --engine and "
+                             "--k8s-selector")
+        if fleets_from_k8s and not self.k8s_namespace:
+            raise ValueError("--k8s-fleet and --k8s-fleet-selector need --k8s-namespace")
+        if self.k8s_fleet_selector is not None and self.k8s_fleets:
+            raise ValueError("use either --k8s-fleet-selector or --k8s-fleet, not both")
         if self.models and (self.engines or self.k8s_selector):
             raise ValueError("name every model's engines (--engine NAME=URL), or give one fleet's engines; not both")
         if self.engines and self.k8s_selector:

@@ -93,12 +93,16 @@ class ModelFront:
         self.pool = FleetsPool(lambda: list(self.fleets.values()))
         self.keys: object | None = None  # the API keys, shared by every fleet (each counts its own limits)
         self.picker_serving: bool | None = None if config.data_plane == "python" else False
+        self.fleet_routes = None  # gateway/fleet_routes.py's InferenceFleetRoutes when the models come from Kubernetes
+        self._watching: asyncio.Task | None = None
+        self._changing = asyncio.Lock()
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(ModelLabelled(self._registries))
 
     def _fleet(self, route: ModelRoute) -> Gateway:
         config = dataclasses.replace(self.config, engines=list(route.engines), k8s_selector=route.k8s_selector,
-                                     fleet=route.fleet, tokenizer=route.tokenizer, models=[])
+                                     fleet=route.fleet, tokenizer=route.tokenizer, models=[], k8s_fleets=[],
+                                     k8s_fleet_selector=None)
         gateway = Gateway(config, tokenize=self.tokenizer_for(route.tokenizer), route=route)
         gateway.keys = self.keys
         gateway.pool.membership_changed = self.pool.membership_changed
@@ -107,14 +111,28 @@ class ModelFront:
     # ---- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.set_routes(self.routes)
+        c = self.config
+        if c.k8s_fleets or c.k8s_fleet_selector is not None:
+            from kvfleet.gateway.fleet_routes import InferenceFleetRoutes
+
+            self.fleet_routes = self.fleet_routes or InferenceFleetRoutes(c.k8s_namespace, c.k8s_fleet_selector,
+                                                                          tuple(c.k8s_fleets))
+            self._watching = asyncio.create_task(self.fleet_routes.run(self.set_routes), name="InferenceFleets")
 
     async def stop(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
         fleets, self.fleets = list(self.fleets.values()), {}
         await asyncio.gather(*(g.stop() for g in fleets), return_exceptions=True)
 
     async def set_routes(self, routes: list[ModelRoute]) -> None:
         """The models served from now on: new ones start, removed ones stop (their queued requests end as at a
         gateway's shutdown), changed ones restart."""
+        async with self._changing:
+            await self._set_routes(routes)
+
+    async def _set_routes(self, routes: list[ModelRoute]) -> None:
         self.routes, self.table = list(routes), ModelTable(routes)
         wanted = {r.name: r for r in routes}
         gone = [name for name, g in self.fleets.items() if name not in wanted or g.route != wanted[name]]

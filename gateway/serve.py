@@ -24,7 +24,7 @@ def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
     if config.data_plane == "envoy" and _no_envoy_here():
         config.data_plane = "python"
-    if config.models:
+    if config.several_models:
         from kvfleet.gateway.model_front import ModelFront
 
         gateway = ModelFront(config, config.models, functools.cache(tokenizer_for))
@@ -62,6 +62,8 @@ def _no_envoy_here() -> bool:
 
 def _say_serving(config: GatewayConfig, host: str, port: int) -> None:
     source = (", ".join(f"{m.name} ({len(m.engines)} engine(s))" for m in config.models) if config.models else
+              f"InferenceFleets {config.k8s_fleet_selector or config.k8s_fleets!r} in {config.k8s_namespace}"
+              if config.several_models else
               f"{len(config.engines)} static engine(s)" if config.engines else
               f"pods {config.k8s_selector!r} in {config.k8s_namespace}" if config.k8s_selector else "no engines")
     print(f"kvfleet gateway: http://{host}:{port} -> {source}, fleet {config.fleet!r}, "

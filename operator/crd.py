@@ -99,6 +99,19 @@ SPEC_SCHEMA = {
                            "secretKey": {"type": "string", "minLength": 1,
                                          "default": ENGINE_API_KEY_SECRET_KEY}},
         },
+        "gateway": {
+            "type": "object",
+            "description": "what a gateway fronting several fleets (gateway.fleets or gateway.fleetSelector in the "
+                           "chart) makes of this fleet's model; the operator does not read it",
+            "properties": {
+                "modelAliases": {"type": "array", "maxItems": 32, "items": {
+                    "type": "string", "minLength": 1, "maxLength": 256},
+                    "description": "other names clients may send for spec.model"},
+                "fallbackModel": {"type": "string", "minLength": 1, "maxLength": 256,
+                                  "description": "the degradation ladder's second rung: while this fleet is "
+                                                 "saturated, requests that allow it (x-kvfleet-allow-fallback: true, "
+                                                 "or their key's allow_fallback=true) go to the fleet serving this "
+                                                 "model if it has room"}}},
         "autoscaling": {
             "type": "object",
             "properties": {**{f.name: f.schema() for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)},

@@ -14,6 +14,7 @@ from kvfleet.fleet.engine_settings import (
     value_type,
 )
 from kvfleet.fleet.pods import DEFAULT_ENGINE_PORT as ENGINE_PORT
+from kvfleet.fleet.pods import FLEET_GROUP, FLEET_KIND, FLEET_PLURAL, FLEET_VERSION
 from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
 from kvfleet.fleet.sizes import parse_size
 from kvfleet.fleet.slo import DEFAULT_SLO_CLASSES, SloClass
@@ -32,7 +33,7 @@ from kvfleet.operator.fleet_fields import (
 __all__ = ["DEFAULT_IMAGE", "ENGINE_API_KEY_ENV", "ENGINE_PORT", "FleetEngineSettings", "FleetSpec", "InvalidSpec",
            "parse_fleet"]
 
-GROUP, VERSION, PLURAL, KIND = "kvfleet.io", "v1alpha1", "inferencefleets", "InferenceFleet"
+GROUP, VERSION, PLURAL, KIND = FLEET_GROUP, FLEET_VERSION, FLEET_PLURAL, FLEET_KIND
 # The Secret key the engines' shared token (issue 13) is read from by default.
 ENGINE_API_KEY_SECRET_KEY = "api-key"
 

@@ -16,6 +16,7 @@ import kopf
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from kvfleet.fleet.pods import FLEET_LABEL
 from kvfleet.fleet.slo_stats import read_class_windows
 from kvfleet.operator import metrics
 from kvfleet.operator.autoscaler import AutoscalerState, Decision, Observation, recommend
@@ -124,7 +125,7 @@ class FleetHandlers:
 
     async def child_drift(self, meta: kopf.Meta, namespace: str, **_: Any) -> None:
         """Someone edited or deleted a child: reconcile its fleet again (drift is put back)."""
-        fleet_name = (meta.get("labels") or {}).get("kvfleet.io/fleet")
+        fleet_name = (meta.get("labels") or {}).get(FLEET_LABEL)
         if not fleet_name:
             return
         body = await asyncio.to_thread(read_fleet, namespace, fleet_name)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvfleet.fleet.pods import ENGINE_PORT_NAME
+from kvfleet.fleet.pods import ENGINE_PORT_NAME, FLEET_LABEL
 from kvfleet.operator.fleet_spec import ENGINE_API_KEY_ENV, ENGINE_PORT, FleetSpec
 from kvfleet.operator.vllm_runtime import vllm_container, vllm_volumes
 
@@ -12,11 +12,11 @@ FIELD_MANAGER = "kvfleet-operator"
 def engine_labels(fleet: str) -> dict[str, str]:
     """The labels of ARCHITECTURE.md; the gateway's Kubernetes discovery selects on kvfleet.io/fleet."""
     return {"app.kubernetes.io/name": "kvfleet-engine", "app.kubernetes.io/instance": fleet,
-            "app.kubernetes.io/managed-by": FIELD_MANAGER, "kvfleet.io/fleet": fleet}
+            "app.kubernetes.io/managed-by": FIELD_MANAGER, FLEET_LABEL: fleet}
 
 
 def selector_labels(fleet: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kvfleet-engine", "kvfleet.io/fleet": fleet}
+    return {"app.kubernetes.io/name": "kvfleet-engine", FLEET_LABEL: fleet}
 
 
 def selector_string(fleet: str) -> str:

@@ -107,7 +107,7 @@ ids = [f.stem for f in VALUES_FILES]
 
 def test_the_ci_values_files_cover_the_options() -> None:
     assert {"default-values", "cluster-wide-values", "external-redis-values", "gpu-values", "envoy-mode-values",
-            "python-mode-values", "inference-pool-values"} <= set(ids)
+            "python-mode-values", "inference-pool-values", "multi-model-values"} <= set(ids)
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=ids)
@@ -559,6 +559,22 @@ def test_gateway_rbac_reads_pods_and_only_its_key_secret() -> None:
     assert grants(role) == {**GATEWAY_NEEDS, ("", "secrets"): {"get"}}
     [secret_rule] = [r for r in role["rules"] if r["resources"] == ["secrets"]]
     assert secret_rule["resourceNames"] == ["kvfleet-api-keys"]
+
+
+def test_one_gateway_fronts_several_fleets_by_name_or_by_selector() -> None:
+    docs = render(CHART / "ci" / "multi-model-values.yaml")
+    args, _ = parse_cli(container(docs, "gateway"))
+    assert args.k8s_fleet == ["chat", "small"] and args.k8s_selector is None and args.k8s_namespace == NAMESPACE
+    [role] = bound_roles(docs, f"{RELEASE}-kvfleet-gateway")
+    assert grants(role) == {**GATEWAY_NEEDS, ("kvfleet.io", "inferencefleets"): {"get", "list"}}
+    args, _ = parse_cli(container(render(sets=("gateway.fleetSelector=kvfleet.io/gateway=main",)), "gateway"))
+    assert args.k8s_fleet_selector == "kvfleet.io/gateway=main" and args.k8s_fleet == []
+    from kvfleet.gateway.cli_args import gateway_config_from_args
+
+    assert gateway_config_from_args(args).several_models  # the flags make a valid gateway of several models
+    refused = run_helm(*template_args(CHART / "ci" / "multi-model-values.yaml",
+                                      ("gateway.mode=inferencePool",)))
+    assert refused.returncode != 0 and "need gateway.mode envoy or python" in refused.stderr
 
 
 def test_no_service_account_may_read_secrets_broadly() -> None:

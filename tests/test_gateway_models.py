@@ -169,3 +169,79 @@ def test_a_saturated_model_falls_back_to_its_fallback_only_when_allowed_and_says
     with_room: dict = {}
     complete(gateway, with_room, "allowed", **{ALLOW_FALLBACK: "true"})  # room again: no fallback
     assert with_room["allowed"].json()["model"] == TINY and DEGRADED not in with_room["allowed"].headers
+
+
+# ---- the models from Kubernetes: InferenceFleets by label selector ------------------------------------------------
+
+def fleet(name: str, model: str, labels: dict | None = None, **gateway: object) -> dict:
+    return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceFleet",
+            "metadata": {"name": name, "namespace": "llm", "labels": labels or {}},
+            "spec": {"model": model, **({"gateway": gateway} if gateway else {})}}
+
+
+def test_inference_fleets_become_routes_and_what_cannot_be_served_is_said() -> None:
+    from kvfleet.gateway.fleet_routes import routes_of_fleets
+
+    routes, problems = routes_of_fleets([
+        fleet("chat", "m-chat", modelAliases=["gpt-4o-mini", "m-code"], fallbackModel="m-small"),
+        fleet("small", "m-small", fallbackModel="nobody"),
+        fleet("code", "m-code"),
+        fleet("copy", "m-chat"),
+        {"metadata": {"name": "broken"}, "spec": ["not", "an", "object"]},
+    ])
+    assert routes == [
+        ModelRoute("m-chat", "chat", k8s_selector="kvfleet.io/fleet=chat", aliases=("gpt-4o-mini", "m-code"),
+                   fallback="m-small"),
+        ModelRoute("m-small", "small", k8s_selector="kvfleet.io/fleet=small")]  # its fallback serves nothing
+    said = "\n".join(problems)
+    assert "'broken' left out" in said and "'copy' left out: its model 'm-chat' is already served by fleet 'chat'" \
+        in said
+    assert "'code' left out: its model 'm-code' is already served by fleet 'chat'" in said  # chat's alias came first
+    assert "fallbackModel 'nobody'" in said
+
+
+def engine_pod(name: str, fleet_name: str, url: str) -> dict:
+    port = int(url.rsplit(":", 1)[1])
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "llm",
+                                                            "labels": {"kvfleet.io/fleet": fleet_name}},
+            "spec": {"containers": [{"name": "engine", "image": "kvfleet/engine:cpu",
+                                     "ports": [{"name": "http", "containerPort": port}]}]},
+            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def test_a_gateway_serves_every_selected_inference_fleet_and_drops_one_that_goes(engines: dict[str, str],
+                                                                                tmp_path, monkeypatch) -> None:
+    from kubernetes import client
+
+    from kvfleet.kube_emulator import KubeEmulator
+
+    emulator = KubeEmulator().start()
+    try:
+        api = emulator.api_client()
+        core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        selected = {"kvfleet.io/gateway": "main"}
+        for name, model, labels in (("chat", BIG, selected), ("small", TINY, selected), ("other", "x", {})):
+            custom.create_namespaced_custom_object("kvfleet.io", "v1alpha1", "llm", "inferencefleets",
+                                                   fleet(name, model, labels, modelAliases=[ALIAS])
+                                                   if name == "small" else fleet(name, model, labels))
+        core.create_namespaced_pod("llm", engine_pod("chat-0", "chat", engines[BIG]))
+        core.create_namespaced_pod("llm", engine_pod("small-0", "small", engines[TINY]))
+        monkeypatch.setenv("KUBECONFIG", str(emulator.write_kubeconfig(tmp_path / "kubeconfig")))
+        proc, url = start_gateway("--k8s-namespace", "llm", "--k8s-fleet-selector", "kvfleet.io/gateway=main",
+                                  "--data-plane", "python")
+        try:
+            until(lambda: httpx.get(f"{url}/ready").json()["available"] >= 2, "the gateway never saw both fleets")
+            assert sorted(m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]) == sorted([BIG, TINY, ALIAS])
+            for model, served in ((BIG, BIG), (ALIAS, TINY)):
+                answer = httpx.post(f"{url}/v1/completions", timeout=60,
+                                    json={"model": model, "prompt": "hi", "max_tokens": 2})
+                assert answer.status_code == 200 and answer.json()["model"] == served
+                assert answer.headers[ENGINE] == engines[served]
+            custom.delete_namespaced_custom_object("kvfleet.io", "v1alpha1", "llm", "inferencefleets", "small")
+            until(lambda: httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": TINY, "prompt": "hi", "max_tokens": 2}).status_code == 404,
+                "the deleted fleet's model was still served", timeout=20)
+        finally:
+            stop_process(proc)
+    finally:
+        emulator.stop()

@@ -10,6 +10,9 @@ if TYPE_CHECKING:
 
 ENGINE_PORT_NAME = "http"  # the engine container's port that serves the API and /metrics
 DEFAULT_ENGINE_PORT = 8000
+FLEET_LABEL = "kvfleet.io/fleet"  # on every engine pod: the InferenceFleet it belongs to (what the gateway selects)
+# the InferenceFleet resource: the operator serves it, a gateway fronting several fleets reads it
+FLEET_GROUP, FLEET_VERSION, FLEET_PLURAL, FLEET_KIND = "kvfleet.io", "v1alpha1", "inferencefleets", "InferenceFleet"
 
 
 def pod_endpoint(pod: dict[str, Any] | V1Pod, port_name: str = ENGINE_PORT_NAME) -> str | None:

@@ -207,10 +207,19 @@ gateway container alone (the bootstrap needs no secret). */}}
 - --data-plane=python
 - --port={{ $g.port }}
 {{- end }}
+- --k8s-namespace={{ include "kvfleet.gateway.fleetNamespace" . }}
+{{- if $g.fleetSelector }}
+# Every InferenceFleet with these labels, each by its spec.model (gateway/fleet_routes.py).
+- --k8s-fleet-selector={{ $g.fleetSelector }}
+{{- else if $g.fleets }}
+{{- range $g.fleets }}
+- --k8s-fleet={{ . }}
+{{- end }}
+{{- else }}
 - --fleet={{ $g.fleet }}
 # The engine pods the operator creates for the fleet carry this label (operator/manifests.py).
-- --k8s-namespace={{ include "kvfleet.gateway.fleetNamespace" . }}
 - --k8s-selector=kvfleet.io/fleet={{ $g.fleet }}
+{{- end }}
 - --routing={{ $g.routing }}
 {{- with $g.tokenizer }}
 - --tokenizer={{ . }}
