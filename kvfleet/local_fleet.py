@@ -1,6 +1,7 @@
-"""`kvfleet up`: a whole fleet on one machine: an embedded Redis, N engine processes and a gateway.
+"""`kvfleet up`: a whole fleet on one machine: an embedded Redis, N engine processes and a gateway; with several
+models (`--model A --model B`), N engines of each behind the one gateway, each model its own fleet there.
 
-The model is resolved (and converted, the first time) once here, so N engines never race to write the cache.
+A model is resolved (and converted, the first time) once here, so N engines never race to write the cache.
 Ctrl-C or SIGTERM stops the gateway first (no new requests), then the engines (they drain), then Redis.
 """
 
@@ -34,6 +35,7 @@ def engine_env(base: dict[str, str], token: str) -> dict[str, str]:
 class FleetSpec:
     engines: int = 2
     model: str = "smollm2-135m-instruct"
+    more_models: tuple[str, ...] = ()  # further models, each served by its own `engines` engines (a fleet each)
     host: str = "127.0.0.1"
     port: int = 8080
     # A laptop's engines (kvfleet/fleet/engine_settings.py says why they differ from the engine's defaults).
@@ -51,6 +53,14 @@ class FleetSpec:
             raise ValueError(f"--engines must be between 1 and 64, not {self.engines}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be a TCP port, not {self.port}")
+        if len(set(self.models)) != len(self.models):
+            raise ValueError(f"each --model once: {', '.join(self.models)}")
+        if len(self.models) * self.engines > 64:
+            raise ValueError(f"{len(self.models)} models x {self.engines} engines is more than 64 engines")
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return (self.model, *self.more_models)
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -86,34 +96,44 @@ class LocalFleet:
         s = self.spec
         if not port_is_free(s.host, s.port):
             raise ValueError(f"port {s.port} on {s.host} is in use; choose another with --port")
-        model_dir = self._resolve_model()
+        model_dirs = {model: self._resolve_model(model) for model in s.models}
         token_file = self.run_dir / "engine-api-key"  # for calling an engine directly (curl -H @...)
         token_file.touch(mode=0o600)
         token_file.write_text(f"Authorization: Bearer {self.engine_api_key}\n")
         self.redis = RedisServer().start()
         env = engine_env(dict(os.environ), self.engine_api_key)
-        env.setdefault("OMP_NUM_THREADS", str(threads_per_engine(s.engines)))
-        for i in range(s.engines):
-            port = free_port()
-            settings = EngineSettings(model=str(model_dir), max_model_len=s.max_model_len,
-                                      kv_cache_memory=s.kv_cache_memory, max_num_seqs=s.max_num_seqs)
-            args = ["engine", *settings.to_args(), "--served-model-name", s.model, "--host", "127.0.0.1",
-                    "--port", str(port), *s.engine_args]
-            self.engines.append(self._spawn(f"engine-{i}", args, f"http://127.0.0.1:{port}", env))
+        env.setdefault("OMP_NUM_THREADS", str(threads_per_engine(s.engines * len(s.models))))
+        served: list[tuple[str, Child]] = []
+        for m, (model, model_dir) in enumerate(model_dirs.items()):
+            for i in range(s.engines):
+                port = free_port()
+                settings = EngineSettings(model=str(model_dir), max_model_len=s.max_model_len,
+                                          kv_cache_memory=s.kv_cache_memory, max_num_seqs=s.max_num_seqs)
+                args = ["engine", *settings.to_args(), "--served-model-name", model, "--host", "127.0.0.1",
+                        "--port", str(port), *s.engine_args]
+                name = f"engine-{len(served)}" if len(s.models) == 1 else f"engine-{m}.{i}"
+                served.append((model, self._spawn(name, args, f"http://127.0.0.1:{port}", env)))
+        self.engines = [engine for _, engine in served]
         for engine in self.engines:
             self._wait_ready(engine, "/ready")
-        engine_flags = [flag for e in self.engines for flag in ("--engine", e.url)]
+        # the engines' tokenizer: prompts are routed by the blocks the engines report
+        if len(s.models) == 1:
+            routes = [flag for _, e in served for flag in ("--engine", e.url)]
+            routes += ["--fleet", s.fleet, "--tokenizer", str(model_dirs[s.model])]
+        else:  # one fleet per model, by the request's `model`
+            routes = [flag for model, e in served for flag in ("--engine", f"{model}={e.url}")]
+            routes += [flag for model, d in model_dirs.items() for flag in ("--tokenizer", f"{model}={d}")]
         args = ["gateway", "--host", s.host, "--port", str(s.port), "--redis-url", self.redis.url,
-                "--fleet", s.fleet, "--routing", s.routing, "--tokenizer", str(model_dir), *engine_flags,
-                *s.gateway_args]  # the engines' tokenizer: prompts are routed by the blocks the engines report
+                "--routing", s.routing, *routes, *s.gateway_args]
         self.gateway = self._spawn("gateway", args, self.url, env)
         self._wait_ready(self.gateway, "/ready")  # with Envoy: once its endpoint picker listens
 
-    def _resolve_model(self) -> Path:
+    @staticmethod
+    def _resolve_model(model: str) -> Path:
         from kvfleet.engine.model_files import resolve_model
 
-        print(f"kvfleet up: preparing model {self.spec.model}", file=sys.stderr, flush=True)
-        return resolve_model(self.spec.model)
+        print(f"kvfleet up: preparing model {model}", file=sys.stderr, flush=True)
+        return resolve_model(model)
 
     def _spawn(self, name: str, args: list[str], url: str, env: dict[str, str]) -> Child:
         # engine-0, engine-1, ... form one group: they stop together, after the gateway.
@@ -173,8 +193,9 @@ def run_until_signal(fleet, banner) -> int:
 def run(spec: FleetSpec) -> int:
     def banner(fleet: LocalFleet) -> str:
         body = json.dumps({"model": spec.model, "messages": [{"role": "user", "content": "Hi!"}]})
-        return (f"\nkvfleet fleet is up: {fleet.url}  ({spec.engines} engine(s) of {spec.model}, "
-                f"Redis {fleet.redis.url}, fleet {spec.fleet!r})\n"
+        fleets = f"fleet {spec.fleet!r}" if len(spec.models) == 1 else "one fleet per model, chosen by `model`"
+        return (f"\nkvfleet fleet is up: {fleet.url}  ({spec.engines} engine(s) of {' and of '.join(spec.models)}, "
+                f"Redis {fleet.redis.url}, {fleets})\n"
                 f"  curl {fleet.url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'\n"
                 f"  metrics: {fleet.url}/metrics   logs: {fleet.run_dir}\n"
                 f"  engines answer /v1/* only with the run's token: curl -H @{fleet.run_dir}/engine-api-key ...\n"

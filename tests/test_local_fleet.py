@@ -20,10 +20,11 @@ from tests.conftest import free_port
 from tests.test_gateway_proxy import wait_until_routable
 
 
-def start_up(model_dir, port: int, engines: int = 2) -> tuple[subprocess.Popen, list[str]]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", "up", "--engines", str(engines), "--model",
-                             str(model_dir), "--port", str(port), "--max-model-len", "256", "--kv-cache-memory",
-                             "8MiB"], stderr=subprocess.PIPE, text=True)
+def start_up(model_dir, port: int, engines: int = 2, *more_models: str) -> tuple[subprocess.Popen, list[str]]:
+    models = [flag for m in (str(model_dir), *more_models) for flag in ("--model", m)]
+    proc = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", "up", "--engines", str(engines), *models,
+                             "--port", str(port), "--max-model-len", "256", "--kv-cache-memory", "16MiB"],
+                            stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -81,6 +82,29 @@ def test_up_serves_through_the_gateway_and_stops_everything_on_a_signal(tiny_mod
     assert not any(listening(u) for u in [gateway, *engines, redis_url])  # nothing left running
 
 
+def test_up_serves_two_models_through_one_gateway(tiny_model_dir) -> None:
+    port = free_port()
+    proc, lines = start_up(tiny_model_dir, port, 1, "smollm2-135m-instruct")
+    gateway = f"http://127.0.0.1:{port}"
+    try:
+        out = "".join(lines)
+        assert "one fleet per model" in out and out.count("ready at") == 3  # two engines and the gateway
+        wait_until_routable(gateway, 2)
+        client = OpenAI(base_url=f"{gateway}/v1", api_key="x", max_retries=0, timeout=60)
+        models = (str(tiny_model_dir), "smollm2-135m-instruct")
+        assert sorted(m.id for m in client.models.list().data) == sorted(models)
+        engines = set()
+        for model in models:
+            raw = client.completions.with_raw_response.create(model=model, prompt="The capital of France is",
+                                                              max_tokens=3, temperature=0)
+            assert raw.parse().model == model
+            engines.add(raw.headers["x-kvfleet-engine"])
+        assert len(engines) == 2  # each model's own engine
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+
 def test_up_refuses_bad_settings_with_a_message(tiny_model_dir) -> None:
     r = subprocess.run([sys.executable, "-m", "kvfleet.cli", "up", "--engines", "0"], capture_output=True,
                        text=True, timeout=60)
@@ -92,6 +116,9 @@ def test_up_refuses_bad_settings_with_a_message(tiny_model_dir) -> None:
         r = subprocess.run([sys.executable, "-m", "kvfleet.cli", "up", "--model", str(tiny_model_dir), "--port",
                             str(port)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and f"port {port}" in r.stderr and "--port" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvfleet.cli", "up", "--model", "a", "--model", "a"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "each --model once" in r.stderr
 
 
 def test_each_run_has_its_own_engine_token() -> None:
