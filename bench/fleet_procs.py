@@ -20,6 +20,7 @@ from kvfleet.supervisor import Child, kvfleet_command, stop_together
 from kvfleet.supervisor import spawn as spawn_child
 
 MODEL_NAME = "bench-model"  # what the engines serve and the clients ask for
+FALLBACK_NAME = "bench-fallback"  # what a fallback engine serves (the degradation ladder's second rung)
 
 
 def model_dir(model: str) -> Path:
@@ -74,6 +75,7 @@ class BenchFleet:
     engine_args: list[str] = field(default_factory=list)  # more `kvfleet engine` flags for every engine
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvfleet-bench-")))
     engines: list[Child] = field(default_factory=list)
+    fallback_engines: list[Child] = field(default_factory=list)  # another model's, FALLBACK_NAME (start_fallback)
     gateways: list[Child] = field(default_factory=list)
     redis: RedisServer | None = None
 
@@ -106,19 +108,38 @@ class BenchFleet:
         for engine in self.engines:
             wait_for(engine, "/ready")
 
+    def start_fallback(self, model: str, max_num_seqs: int) -> None:
+        """One engine of another model, served as FALLBACK_NAME: idle until a gateway names it (with_fallback)."""
+        port = free_port()
+        settings = EngineSettings(model=str(model_dir(model)), max_model_len=self.max_model_len,
+                                  kv_cache_memory=self.kv_cache_memory, max_num_seqs=max_num_seqs)
+        args = ["engine", *settings.to_args(), "--served-model-name", FALLBACK_NAME, "--host", "127.0.0.1",
+                "--port", str(port), *self.engine_args]
+        self.fallback_engines.append(spawn(f"fallback-seqs{max_num_seqs}", args, f"http://127.0.0.1:{port}",
+                                           self.log_dir))
+        wait_for(self.fallback_engines[-1], "/ready")
+
     def start_gateway(self, routing: str = "kvfleet", fleet: str = "bench", extra: list[str] = (),
-                      alongside: bool = False) -> str:
-        """A fresh gateway (the others stopped unless `alongside`); its URL once it has scraped every engine."""
+                      alongside: bool = False, with_fallback: bool = False) -> str:
+        """A fresh gateway (the others stopped unless `alongside`); its URL once it has scraped every engine.
+        `with_fallback`: two models, MODEL_NAME on the engines and FALLBACK_NAME on the fallback engines, which
+        MODEL_NAME's requests may fall back to (--fallback); the fleets are then named by the models."""
         if not alongside:
             self.stop_gateway()
         port = free_port()
-        args = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--fleet", fleet, "--routing", routing,
-                *(f for e in self.engines for f in ("--engine", e.url)), *extra]
+        if with_fallback:
+            engines = [*(f"{MODEL_NAME}={e.url}" for e in self.engines),
+                       *(f"{FALLBACK_NAME}={e.url}" for e in self.fallback_engines)]
+            routes = ["--fallback", f"{MODEL_NAME}={FALLBACK_NAME}"]
+        else:
+            engines, routes = [e.url for e in self.engines], ["--fleet", fleet]
+        args = ["gateway", "--host", "127.0.0.1", "--port", str(port), *routes, "--routing", routing,
+                *(f for e in engines for f in ("--engine", e)), *extra]
         if self.redis is not None:
             args += ["--redis-url", self.redis.url]
         gateway = spawn(f"gateway-{fleet}", args, f"http://127.0.0.1:{port}", self.log_dir)
         self.gateways.append(gateway)
-        wait_for(gateway, "/ready", check=lambda body: json.loads(body)["available"] == len(self.engines))
+        wait_for(gateway, "/ready", check=lambda body: json.loads(body)["available"] == len(engines))
         return gateway.url
 
     def stop_gateway(self) -> None:
@@ -129,7 +150,7 @@ class BenchFleet:
         """Until no engine runs or queues anything, then `settle_s` more (so one run's tail never hits the next)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            loads = [parse_engine_load(get(e.url + "/metrics") or "") for e in self.engines]
+            loads = [parse_engine_load(get(e.url + "/metrics") or "") for e in self.engines + self.fallback_engines]
             if all(load.num_running == 0 and load.num_waiting == 0 for load in loads):
                 time.sleep(settle_s)
                 return
@@ -138,14 +159,14 @@ class BenchFleet:
 
     def cpu_snapshot(self) -> dict[str, float]:
         """CPU seconds used so far by each process: engines, gateways, Redis and this one (the client)."""
-        procs = {p.name: p.pid for p in [*self.engines, *self.gateways]}
+        procs = {p.name: p.pid for p in [*self.engines, *self.fallback_engines, *self.gateways]}
         if self.redis is not None and self.redis.proc is not None:
             procs["redis"] = self.redis.proc.pid
         return {**{name: cpu_seconds(pid) for name, pid in procs.items()}, "client": time.process_time()}
 
     def close(self) -> None:
         self.stop_gateway()
-        stop_together(self.engines)
+        stop_together(self.engines + self.fallback_engines)
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

@@ -3,6 +3,7 @@ critical traffic keep its latency?
 
     python -m bench.gateway_overload --duration 60 --out bench/results
     python -m bench.gateway_overload --quick          # a ~1-minute smoke run; its figures are noise
+    python -m bench.gateway_overload --duration 60 --ladder standard=32 --fallback-model tiny   # the whole ladder
 
 Two engines of the tiny random Llama (--max-num-seqs 4 each, one torch thread) behind one kvfleet gateway with
 its Redis queue. Capacity is measured first (every engine kept full, completions per second for chat,
@@ -12,6 +13,13 @@ critical gets in the overload run (0.4× capacity, nothing else queued), and the
 deadline), TTFT p50/p99, each class's mean wait in the gateway's queue, the CPU each process used, and critical
 p99 TTFT under overload ÷ unloaded. Exits 1 if any request got no answer (timeout, connection error,
 broken stream).
+
+The degradation ladder, side by side in the same run: --ladder runs the overload again through a gateway that caps
+the output of the classes named while the fleet is saturated (its first rung); --fallback-model M starts one more
+engine of model M (idle until then) and runs the overload a last time through a gateway serving both models, the
+bench model's requests (all sent with x-kvfleet-allow-fallback: true) falling back to M while the main fleet is
+saturated and M's has room (the second rung), with the caps of --ladder if given. Shedding is the last rung in
+every arm.
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ladder", default="", metavar="CLASS=N,...",
                         help="also run the overload again through a fresh gateway with the degradation ladder's "
                              "first rung (--degrade-max-tokens CLASS=N,...), side by side with the run without it")
+    parser.add_argument("--fallback-model", default=None, metavar="MODEL",
+                        help="also run the overload through a gateway whose requests may fall back to one engine of "
+                             "MODEL ('tiny' or what `kvfleet engine --model` takes), with --ladder's caps")
     parser.add_argument("--quick", action="store_true", help="short runs and a 3 s queue deadline, to check it works")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--replot", type=Path, help="redraw the chart of an earlier run's JSON and exit")
@@ -97,17 +108,29 @@ def main() -> int:
         run_wall = time.monotonic() - run_started
         cpu = cpu_used(cpu_before, fleet.cpu_snapshot())
         queue_waits = queue_waits_between(waits_before, gateway_queue_waits(url))
-        ladder = None
+        ladder, fallback, records_all = None, None, list(records)
         if args.ladder:
             fleet.wait_idle()
             ladder_url = fleet.start_gateway("kvfleet", fleet="overload-ladder", extra=[
                 "--max-queue-ms", str(args.max_queue_ms), "--degrade-max-tokens", args.ladder])
             ladder_records, _ = asyncio.run(with_loop_lag(run_load(replace(overload, url=ladder_url), progress=False)))
-            records_all = records + ladder_records
+            records_all += ladder_records
             ladder = {"degrade_max_tokens": args.ladder, "summary": summarize(ladder_records),
                       "degraded": gateway_degraded(ladder_url), "records": [asdict(r) for r in ladder_records]}
-        else:
-            records_all = records
+        if args.fallback_model:
+            fleet.start_fallback(args.fallback_model, seqs[0])
+            fleet.wait_idle()
+            caps = ["--degrade-max-tokens", args.ladder] if args.ladder else []
+            fallback_url = fleet.start_gateway("kvfleet", extra=["--max-queue-ms", str(args.max_queue_ms), *caps],
+                                               with_fallback=True)
+            fallback_records, _ = asyncio.run(with_loop_lag(run_load(
+                replace(overload, url=fallback_url, allow_fallback=True), progress=False)))
+            records_all += fallback_records
+            fallback_urls = {e.url for e in fleet.fallback_engines}
+            fallback = {"model": args.fallback_model, "degrade_max_tokens": args.ladder or None,
+                        "summary": summarize(fallback_records), "degraded": gateway_degraded(fallback_url),
+                        "served_by_fallback": _by_class(r for r in fallback_records if r.engine in fallback_urls),
+                        "records": [asdict(r) for r in fallback_records]}
     unanswered = [r for r in records_all + baseline_records if not answered(r)]
     summary, baseline_summary = summarize(records), summarize(baseline_records)
     critical_p99 = summary["by_class"].get("critical", {}).get("ttft_s", {}).get("p99")
@@ -126,6 +149,7 @@ def main() -> int:
         "baseline": {"spec": baseline.public(), "summary": baseline_summary,
                      "records": [asdict(r) for r in baseline_records]},
         "ladder": ladder,
+        "fallback": fallback,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gateway_overload.json"
@@ -136,33 +160,55 @@ def main() -> int:
     return 0 if not unanswered else 1
 
 
-def gateway_degraded(gateway_url: str) -> dict[str, float]:
-    """From the gateway's /metrics: answers served degraded, per class."""
+def gateway_degraded(gateway_url: str) -> dict[str, dict[str, float]]:
+    """From the gateway's /metrics: answers served degraded, per class and step (summed over models)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     families = text_string_to_metric_families(get(gateway_url + "/metrics") or "")
-    return {s.labels["priority"]: s.value for family in families for s in family.samples
-            if s.name == "kvfleet_gateway_degraded_total"}
+    out: dict[str, dict[str, float]] = {}
+    for family in families:
+        for s in family.samples:
+            if s.name == "kvfleet_gateway_degraded_total":
+                steps = out.setdefault(s.labels["priority"], {})
+                steps[s.labels["step"]] = steps.get(s.labels["step"], 0.0) + s.value
+    return out
+
+
+def _by_class(records) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r.priority] = counts.get(r.priority, 0) + 1
+    return counts
 
 
 def ladder_table(report: dict) -> str:
-    """Per class, without and with the ladder's first rung: answered 200 / 429 / 503, TTFT p50 / p99, degraded."""
-    ladder = report.get("ladder")
-    if not ladder:
+    """Per class and arm (without the ladder, with its caps, with its caps and fallback): answered 200 / 429 / 503,
+    TTFT p50 / p99, answers capped, answers from the fallback model."""
+    ladder, fallback = report.get("ladder"), report.get("fallback")
+    if not ladder and not fallback:
         return ""
-    rows = [f"\nthe same overload through a gateway with --degrade-max-tokens {ladder['degrade_max_tokens']}:",
-            f"{'class':<10} {'arm':<8} {'200':>5} {'429':>5} {'503':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
-            f"{'degraded':>8}"]
+    arms = [("without", report["overload"]["summary"], {}, {})]
+    if ladder:
+        arms.append(("cap", ladder["summary"], ladder["degraded"], {}))
+    if fallback:
+        arms.append(("cap+fallback" if fallback["degrade_max_tokens"] else "fallback", fallback["summary"],
+                     fallback["degraded"], fallback["served_by_fallback"]))
+    caps = (ladder or fallback)["degrade_max_tokens"]
+    rows = [f"\nthe same overload through gateways with the degradation ladder (caps: {caps or 'none'}"
+            f"{', fallback: one engine of ' + fallback['model'] if fallback else ''}):",
+            f"{'class':<10} {'arm':<13} {'200':>5} {'429':>5} {'503':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'capped':>7} {'fell back':>9}"]
     for name in report["overload"]["summary"]["by_class"]:
-        for arm, summary, degraded in (("without", report["overload"]["summary"], None),
-                                       ("ladder", ladder["summary"], ladder["degraded"].get(name, 0.0))):
+        for arm, summary, degraded, fell_back in arms:
             g = summary["by_class"].get(name)
             if g is None:
                 continue
             by = g["by_status"]
-            rows.append(f"{name:<10} {arm:<8} {by.get('200', 0):>5} {by.get('429', 0):>5} {by.get('503', 0):>5} "
+            capped = degraded.get(name, {}).get("max_tokens", 0.0) if arm != "without" else None
+            rows.append(f"{name:<10} {arm:<13} {by.get('200', 0):>5} {by.get('429', 0):>5} {by.get('503', 0):>5} "
                         f"{_s(g['ttft_s']['p50']):>9} {_s(g['ttft_s']['p99']):>9} "
-                        f"{'-' if degraded is None else int(degraded):>8}")
+                        f"{'-' if capped is None else int(capped):>7} "
+                        f"{fell_back.get(name, 0) if arm.endswith('fallback') else '-':>9}")
     return "\n".join(rows)
 
 

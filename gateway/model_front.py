@@ -196,7 +196,7 @@ class ModelFront:
     async def models_response(self, request_headers: Mapping[str, str]) -> Response:
         """Every model and alias; an engine's own entry where one answers (its max_model_len and so on)."""
         key = authenticate(self.keys, request_headers)
-        for gateway in self.fleets.values():
+        for gateway in list(self.fleets.values())[:1]:  # counted once, against the first model's limits
             await gateway._limit(key, None)
         entries = await asyncio.gather(*(self._model_entry(r) for r in self.routes))
         data = []

@@ -84,6 +84,7 @@ class LoadSpec:
     timeout: float = 300.0
     seed: int = 0
     ignore_eos: bool = False
+    allow_fallback: bool = False  # x-kvfleet-allow-fallback: true (the degradation ladder's second rung)
 
     def __post_init__(self) -> None:
         self.url = self.url.strip().rstrip("/")
@@ -185,6 +186,8 @@ def _headers(spec: LoadSpec, priority: str | None = None) -> dict[str, str]:
         headers[fleet_headers.MAX_QUEUE_MS] = str(spec.max_queue_ms)
     if spec.api_key:
         headers[fleet_headers.AUTHORIZATION] = f"Bearer {spec.api_key}"
+    if spec.allow_fallback:
+        headers[fleet_headers.ALLOW_FALLBACK] = "true"
     return headers
 
 
