@@ -1,8 +1,9 @@
 """The models a gateway serves from Kubernetes: every InferenceFleet a label selector picks in its namespace (or
 those it names), each a fleet behind the gateway's ModelFront. A fleet's `spec.model` is the name clients send,
 `spec.gateway.modelAliases` other names for it, `spec.gateway.fallbackModel` the model its requests may fall back
-to while it is saturated (the ladder's second rung); its engines are the pods labelled kvfleet.io/fleet=<name>, its
-Redis keys kvfleet:{<name>}:*, which the operator reads to scale it.
+to while it is saturated (the ladder's second rung), `spec.gateway.degradeMaxTokens` its own output caps while
+saturated (the first rung: class -> tokens, over the gateway's --degrade-max-tokens); its engines are the pods
+labelled kvfleet.io/fleet=<name>, its Redis keys kvfleet:{<name>}:*, which the operator reads to scale it.
 
 The fleets are listed every POLL_S (a handful of objects that change when someone applies one; each fleet's pods
 are watched as a single fleet's are, gateway/discovery.py)."""
@@ -10,11 +11,13 @@ are watched as a single fleet's are, gateway/discovery.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.fleet.pods import FLEET_GROUP, FLEET_LABEL, FLEET_PLURAL, FLEET_VERSION
+from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.model_routes import ModelRoute, check_model_name, check_routes
 
 if TYPE_CHECKING:
@@ -59,15 +62,36 @@ def routes_of_fleets(fleets: list[dict[str, Any]]) -> tuple[list[ModelRoute], li
             claimed[aliases[-1]] = name
         fallback = section.get("fallbackModel")
         routes.append(ModelRoute(model, name, k8s_selector=f"{FLEET_LABEL}={name}", aliases=tuple(aliases),
-                                 fallback=fallback if isinstance(fallback, str) else None))
+                                 fallback=fallback if isinstance(fallback, str) else None,
+                                 degrade_max_tokens=_caps(name, section.get("degradeMaxTokens"), problems)))
     served = {r.name for r in routes}
     for i, route in enumerate(routes):
         if route.fallback is not None and (route.fallback not in served or route.fallback == route.name):
             problems.append(f"fleet {route.fleet!r}: fallbackModel {route.fallback!r} is no other model this "
                             f"gateway serves; no fallback")
-            routes[i] = ModelRoute(route.name, route.fleet, k8s_selector=route.k8s_selector, aliases=route.aliases)
+            routes[i] = dataclasses.replace(route, fallback=None)
     check_routes(routes)
     return routes, problems
+
+
+def _caps(fleet: str, given: object, problems: list[str]) -> dict[Priority, int] | None:
+    """spec.gateway.degradeMaxTokens as class -> tokens; None where absent; bad entries left out and said."""
+    if given is None:
+        return None
+    caps: dict[Priority, int] = {}
+    for name, tokens in (given.items() if isinstance(given, dict) else ()):
+        try:
+            priority = Priority(name)
+        except ValueError:
+            priority = None
+        if priority is None or isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            problems.append(f"fleet {fleet!r}: degradeMaxTokens {name!r}: {tokens!r} left out (a class and a "
+                            "count of tokens >= 1)")
+            continue
+        caps[priority] = tokens
+    if not isinstance(given, dict):
+        problems.append(f"fleet {fleet!r}: degradeMaxTokens must map classes to tokens, not {given!r:.60}")
+    return caps
 
 
 class InferenceFleetRoutes:

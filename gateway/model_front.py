@@ -103,6 +103,8 @@ class ModelFront:
         config = dataclasses.replace(self.config, engines=list(route.engines), k8s_selector=route.k8s_selector,
                                      fleet=route.fleet, tokenizer=route.tokenizer, models=[], k8s_fleets=[],
                                      k8s_fleet_selector=None)
+        if route.degrade_max_tokens is not None:  # its own ladder's first rung
+            config.degrade_max_tokens = dict(route.degrade_max_tokens)
         gateway = Gateway(config, tokenize=self.tokenizer_for(route.tokenizer), route=route)
         gateway.keys = self.keys
         gateway.pool.membership_changed = self.pool.membership_changed

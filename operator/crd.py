@@ -111,7 +111,12 @@ SPEC_SCHEMA = {
                                   "description": "the degradation ladder's second rung: while this fleet is "
                                                  "saturated, requests that allow it (x-kvfleet-allow-fallback: true, "
                                                  "or their key's allow_fallback=true) go to the fleet serving this "
-                                                 "model if it has room"}}},
+                                                 "model if it has room"},
+                "degradeMaxTokens": {
+                    "type": "object", "description": "the ladder's first rung for this fleet: while it is "
+                    "saturated, the most output tokens a request of each class named may generate (overrides the "
+                    "gateway's --degrade-max-tokens)",
+                    "properties": {p.value: {"type": "integer", "minimum": 1} for p in Priority}}}},
         "autoscaling": {
             "type": "object",
             "properties": {**{f.name: f.schema() for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)},

@@ -14,6 +14,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.fleet.headers import ALLOW_FALLBACK, DEGRADED, ENGINE, PRIORITY
+from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.redis_keys import key_prefix
 from kvfleet.gateway.model_routes import ModelRoute, ModelTable, fleet_name_for, routes_from_flags
 from tests.conftest import start_engine_servers, start_gateway, stop_process
@@ -185,7 +186,7 @@ def test_inference_fleets_become_routes_and_what_cannot_be_served_is_said() -> N
 
     routes, problems = routes_of_fleets([
         fleet("chat", "m-chat", modelAliases=["gpt-4o-mini", "m-code"], fallbackModel="m-small"),
-        fleet("small", "m-small", fallbackModel="nobody"),
+        fleet("small", "m-small", fallbackModel="nobody", degradeMaxTokens={"standard": 64, "gold": 5, "sheddable": 0}),
         fleet("code", "m-code"),
         fleet("copy", "m-chat"),
         {"metadata": {"name": "broken"}, "spec": ["not", "an", "object"]},
@@ -193,12 +194,14 @@ def test_inference_fleets_become_routes_and_what_cannot_be_served_is_said() -> N
     assert routes == [
         ModelRoute("m-chat", "chat", k8s_selector="kvfleet.io/fleet=chat", aliases=("gpt-4o-mini", "m-code"),
                    fallback="m-small"),
-        ModelRoute("m-small", "small", k8s_selector="kvfleet.io/fleet=small")]  # its fallback serves nothing
+        ModelRoute("m-small", "small", k8s_selector="kvfleet.io/fleet=small",  # its fallback serves nothing
+                   degrade_max_tokens={Priority.STANDARD: 64})]
     said = "\n".join(problems)
     assert "'broken' left out" in said and "'copy' left out: its model 'm-chat' is already served by fleet 'chat'" \
         in said
     assert "'code' left out: its model 'm-code' is already served by fleet 'chat'" in said  # chat's alias came first
     assert "fallbackModel 'nobody'" in said
+    assert "degradeMaxTokens 'gold'" in said and "degradeMaxTokens 'sheddable': 0 left out" in said
 
 
 def engine_pod(name: str, fleet_name: str, url: str) -> dict:
@@ -246,3 +249,19 @@ def test_a_gateway_serves_every_selected_inference_fleet_and_drops_one_that_goes
             stop_process(proc)
     finally:
         emulator.stop()
+
+
+def test_each_fleet_gets_its_route_settings_over_the_gateways() -> None:
+    from kvfleet.gateway.config import GatewayConfig
+    from kvfleet.gateway.model_front import ModelFront
+
+    base = GatewayConfig(models=[ModelRoute("a", "a", ("http://x:1",))], fleet="ignored", k8s_namespace="llm",
+                         degrade_max_tokens={Priority.STANDARD: 256})
+    front = ModelFront(base, base.models)
+    own = front._fleet(ModelRoute("b", "fleet-b", ("http://y:2",), degrade_max_tokens={Priority.SHEDDABLE: 8}))
+    shared = front._fleet(ModelRoute("c", "fleet-c", k8s_selector="kvfleet.io/fleet=fleet-c"))
+    assert (own.config.fleet, own.config.engines, own.config.degrade_max_tokens) == (
+        "fleet-b", ["http://y:2"], {Priority.SHEDDABLE: 8})
+    assert (shared.config.k8s_selector, shared.config.degrade_max_tokens) == (
+        "kvfleet.io/fleet=fleet-c", {Priority.STANDARD: 256})
+    assert base.degrade_max_tokens == {Priority.STANDARD: 256}  # the gateway's own settings untouched

@@ -84,14 +84,14 @@ def test_up_serves_through_the_gateway_and_stops_everything_on_a_signal(tiny_mod
 
 def test_up_serves_two_models_through_one_gateway(tiny_model_dir) -> None:
     port = free_port()
-    proc, lines = start_up(tiny_model_dir, port, 1, "smollm2-135m-instruct")
+    proc, lines = start_up(tiny_model_dir, port, 1, "small=smollm2-135m-instruct")
     gateway = f"http://127.0.0.1:{port}"
     try:
         out = "".join(lines)
         assert "one fleet per model" in out and out.count("ready at") == 3  # two engines and the gateway
         wait_until_routable(gateway, 2)
         client = OpenAI(base_url=f"{gateway}/v1", api_key="x", max_retries=0, timeout=60)
-        models = (str(tiny_model_dir), "smollm2-135m-instruct")
+        models = (str(tiny_model_dir), "small")  # NAME=MODEL: SmolLM2 served as `small`
         assert sorted(m.id for m in client.models.list().data) == sorted(models)
         engines = set()
         for model in models:
@@ -118,7 +118,7 @@ def test_up_refuses_bad_settings_with_a_message(tiny_model_dir) -> None:
     assert r.returncode == 2 and f"port {port}" in r.stderr and "--port" in r.stderr
     r = subprocess.run([sys.executable, "-m", "kvfleet.cli", "up", "--model", "a", "--model", "a"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "each --model once" in r.stderr
+    assert r.returncode == 2 and "each model name once" in r.stderr
 
 
 def test_each_run_has_its_own_engine_token() -> None:
