@@ -3,7 +3,8 @@ those it names), each a fleet behind the gateway's ModelFront. A fleet's `spec.m
 `spec.gateway.modelAliases` other names for it, `spec.gateway.fallbackModel` the model its requests may fall back
 to while it is saturated (the ladder's second rung), `spec.gateway.degradeMaxTokens` its own output caps while
 saturated (the first rung: class -> tokens, over the gateway's --degrade-max-tokens); its engines are the pods
-labelled kvfleet.io/fleet=<name>, its Redis keys kvfleet:{<name>}:*, which the operator reads to scale it.
+with its name in the fleet label (FLEET_LABEL), its Redis keys those of its name (kvfleet.fleet.redis_keys), which
+the operator reads to scale it.
 
 The fleets are listed every POLL_S (a handful of objects that change when someone applies one; each fleet's pods
 are watched as a single fleet's are, gateway/discovery.py)."""

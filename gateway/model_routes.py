@@ -17,8 +17,8 @@ _FLEET_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 @dataclass(frozen=True)
 class ModelRoute:
-    """One model the gateway serves: the name clients send, the fleet behind it (its Redis keys start with
-    kvfleet:{fleet}:) and how its engines are found (static URLs, or the pods a label selector picks)."""
+    """One model the gateway serves: the name clients send, the fleet behind it (its Redis keys are the fleet's,
+    kvfleet.fleet.redis_keys) and how its engines are found (static URLs, or the pods a label selector picks)."""
 
     name: str
     fleet: str
