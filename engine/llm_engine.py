@@ -14,6 +14,7 @@ from kvfleet.engine.attention_select import select_attention_backend
 from kvfleet.engine.block_manager import BlockManager
 from kvfleet.engine.capacity_fit import DecodeStepFit
 from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.kv_capacity import KVCapacity, plan_kv_cache
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.model_files import resolve_model
@@ -79,8 +80,10 @@ class LLMEngine:
         )
         self.startup_s["weights"], started = time.perf_counter() - started, time.perf_counter()
         self.capacity = self._plan_kv_cache()
-        self.backend.allocate_kv_cache(self.capacity.num_blocks)
-        self.startup_s["kv_cache"] = time.perf_counter() - started
+        graphs = self._use_cuda_graphs()
+        # with CUDA graphs one spare block past the block manager's: the padding rows of a replayed batch use it
+        self.backend.allocate_kv_cache(self.capacity.num_blocks + (1 if graphs else 0))
+        self.startup_s["kv_cache"], started = time.perf_counter() - started, time.perf_counter()
         log.info("%s", self.capacity.describe())
         log.info("attention backend: %s", self.attention_backend)
         self.block_manager = BlockManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -88,7 +91,7 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_waiting,
             config.static_batching,
         )
-        self.runner = ModelRunner(self.model, self.backend, self.device)
+        self.runner = ModelRunner(self.model, self.backend, self.device, self._capture_graphs() if graphs else None)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, RequestState] = {}
         self._finished_outputs: list[RequestOutput] = []
@@ -101,6 +104,19 @@ class LLMEngine:
         self.prefill_rate = 0.0
         self.slot_seconds = 0.0  # how long finished requests held a batch slot (a moving average)
         self.decode_fit = DecodeStepFit(config.max_num_seqs)  # decode step time against batch size
+
+    def _use_cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and self.attention_backend == "triton" and not self.config.enforce_eager
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs, self.max_model_len,
+                              pad_block=self.capacity.num_blocks)
+        started = time.perf_counter()
+        graphs.capture()
+        self.startup_s["cuda_graphs"] = time.perf_counter() - started
+        log.info("captured CUDA graphs of decode steps for batch sizes %s in %.1f s", graphs.sizes,
+                 self.startup_s["cuda_graphs"])
+        return graphs
 
     def _plan_kv_cache(self) -> KVCapacity:
         per_block = self.backend.bytes_per_block()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfleet.engine.attention import AttentionBackend, AttentionMetadata, DecodeGroup
+from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.models.llama import LlamaForCausalLM
 from kvfleet.engine.sequence import Sequence
 
@@ -21,16 +22,23 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.backend = backend
         self.block_size = backend.block_size
         self.device = device
         self.group_blocks = backend.decode_group_blocks
+        self.graphs = graphs  # decode steps by CUDA-graph replay (engine/cuda_graphs.py); None: always eager
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """One forward pass; returns the sequences that get a new token and their float32 logits."""
+        if self.graphs is not None and all(n == 1 for _, n in scheduled):
+            decodes = sorted((seq for seq, _ in scheduled), key=lambda seq: len(seq.block_table))
+            hidden = self.graphs.run(decodes)
+            if hidden is not None:
+                return decodes, self.model.compute_logits(hidden)
         batch = self.prepare(scheduled)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         logits = self.model.compute_logits(hidden[batch.logits_indices])

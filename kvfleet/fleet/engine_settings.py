@@ -83,6 +83,8 @@ class EngineSettings:
     device: str = setting("auto", help="auto, cpu or cuda[:N]")
     seed: int = setting(0)
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = setting(False, help="never capture CUDA graphs of decode steps (vLLM's flag; on CUDA with "
+                                              "the Triton backend they are captured at start by default)")
     # Benchmark baseline: a batch of up to max_num_seqs forms, then runs until its longest member ends.
     static_batching: bool = setting(False, flag=False)
     # The HTTP server's shared token for /v1/* (None: open).
