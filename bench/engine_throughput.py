@@ -27,6 +27,7 @@ from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.model_files import resolve_model
 from kvfleet.engine.packed_linear import PackedLinear, can_pack
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.step_profile import StepProfile
 
 MAX_MODEL_LEN = 2048
 PREALLOCATED_SEQS = 8  # the KV budget: what reserving max_model_len per sequence would hold this many of
@@ -62,15 +63,17 @@ def useful_flops(config: ModelConfig, requests: list[BenchRequest]) -> float:
     return total
 
 
-def run_kvfleet(requests: list[BenchRequest], static: bool, kv_tokens: int, static_batch: int = 8) -> RunResult:
+def run_kvfleet(requests: list[BenchRequest], static: bool, kv_tokens: int, static_batch: int = 8,
+                block_size: int = 16, profile: bool = False) -> RunResult:
     model_config = ModelConfig.from_dir(resolve_model("smollm2-135m-instruct"))
     per_token = model_config.kv_bytes_per_token * 4
     engine = LLMEngine(EngineConfig(
         max_model_len=MAX_MODEL_LEN, max_num_seqs=static_batch if static else 256, max_num_batched_tokens=2048,
-        static_batching=static,
+        static_batching=static, block_size=block_size,
         kv_cache_memory=kv_tokens * per_token, max_num_waiting=len(requests) + 1,
     ), show_progress=False)
     engine.generate([[100] * 32], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    engine.profile = StepProfile() if profile else None
     for i, r in enumerate(requests):
         engine.add_request(str(i), r.prompt_token_ids,
                            SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True))
@@ -87,7 +90,12 @@ def run_kvfleet(requests: list[BenchRequest], static: bool, kv_tokens: int, stat
             peak_blocks, live_at_peak = used, sum(s.num_computed_tokens for s in running)
     seconds = time.perf_counter() - start
     name = f"kvfleet static batches of {static_batch}" if static else "kvfleet continuous batching"
+    if block_size != 16:
+        name += f", {block_size}-token blocks"
+    if engine.profile is not None:
+        print(f"{name}: where the steps' time went\n{engine.profile.table()}", flush=True)
     return RunResult(name, seconds, sum(r.output_len for r in requests), {
+        "block_size": block_size, "step_profile": engine.profile.summary() if engine.profile else None,
         "steps": steps, "kv_blocks": bm.num_blocks, "peak_blocks_used": peak_blocks,
         "peak_kv_utilization": live_at_peak / (peak_blocks * bm.block_size) if peak_blocks else 0.0,
         "peak_running": peak_running, "preemptions": engine.scheduler.num_preemptions,
@@ -99,6 +107,10 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--skip", nargs="*", default=[], choices=["static", "hf-static", "hf-continuous"])
+    parser.add_argument("--block-size", type=int, nargs="*", default=[],
+                        help="also run continuous batching with these KV block sizes (its KV waste and speed)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print where continuous batching's steps spend their time (engine/step_profile.py)")
     parser.add_argument("--replot", type=Path, help="redraw the chart of an earlier run's JSON and exit")
     args = parser.parse_args()
     if args.replot:
@@ -111,7 +123,10 @@ def main() -> None:
     kv_tokens = PREALLOCATED_SEQS * MAX_MODEL_LEN
 
     peak_before = gemm_peak_gflops()
-    results = [run_kvfleet(requests, static=False, kv_tokens=kv_tokens)]
+    results = [run_kvfleet(requests, static=False, kv_tokens=kv_tokens, profile=args.profile)]
+    for block_size in args.block_size:
+        results.append(run_kvfleet(requests, static=False, kv_tokens=kv_tokens, block_size=block_size,
+                                   profile=args.profile))
     if "static" not in args.skip:
         results.append(run_kvfleet(requests, static=True, kv_tokens=kv_tokens))
     if "hf-static" not in args.skip or "hf-continuous" not in args.skip:

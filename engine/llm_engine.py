@@ -26,6 +26,7 @@ from kvfleet.engine.sampler import Sampler, SampleResult
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import Scheduler
 from kvfleet.engine.sequence import Sequence
+from kvfleet.engine.step_profile import StepProfile, step_kind
 from kvfleet.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("kvfleet.engine")
@@ -104,6 +105,7 @@ class LLMEngine:
         self.prefill_rate = 0.0
         self.slot_seconds = 0.0  # how long finished requests held a batch slot (a moving average)
         self.decode_fit = DecodeStepFit(config.max_num_seqs)  # decode step time against batch size
+        self.profile: StepProfile | None = None  # set one to learn where the steps' time goes (step_profile.py)
 
     def _use_cuda_graphs(self) -> bool:
         return self.device.type == "cuda" and self.attention_backend == "triton" and not self.config.enforce_eager
@@ -205,6 +207,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, sample, and return every request's new output."""
         outputs, self._finished_outputs = self._finished_outputs, []
+        scheduling = time.perf_counter()
         plan = self.scheduler.schedule()
         self.last_batch_size = len(plan.scheduled)
         if plan.is_empty:
@@ -216,8 +219,10 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         sample_seqs, logits = self._run_isolating_failures(plan.scheduled)
+        modelled = time.perf_counter()
+        sampled = modelled
         if sample_seqs:
-            self._sample(sample_seqs, logits)
+            sampled = self._sample(sample_seqs, logits)
         for seq in sample_seqs:
             state = self.requests.get(seq.request_id)
             if state is None:
@@ -228,7 +233,13 @@ class LLMEngine:
                 outputs.append(state.make_output())
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
-        seconds = time.perf_counter() - started
+        ended = time.perf_counter()
+        seconds = ended - started
+        if self.profile is not None:
+            prepare = self.runner.last_prepare_s
+            self.profile.add(step_kind(plan.scheduled), {
+                "schedule": started - scheduling, "prepare": prepare, "model": modelled - started - prepare,
+                "sample": sampled - modelled, "outputs": ended - sampled})
         self._measure_prefill(plan, seconds)
         if all(n == 1 for _, n in plan.scheduled):
             self.decode_fit.add(len(plan.scheduled), seconds)
@@ -246,8 +257,10 @@ class LLMEngine:
             rate = prefill / spent
             self.prefill_rate = rate if not self.prefill_rate else 0.7 * self.prefill_rate + 0.3 * rate
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> float:
+        """Sample the batch and apply each token to its request; returns when sampling ended (perf_counter)."""
         result = self._sample_isolating_failures(seqs, logits)
+        sampled = time.perf_counter()
         for i, seq in enumerate(seqs):
             state = self.requests[seq.request_id]
             if i in result.errors:
@@ -262,6 +275,7 @@ class LLMEngine:
                 state.finish("error", error=OUTPUT_ERROR)
                 continue
             self.generation_tokens += 1
+        return sampled
 
     def _sample_isolating_failures(self, seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
         """Sample the batch; if the sampler raises, sample each row alone (random streams restored first), so a

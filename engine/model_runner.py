@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,16 +31,20 @@ class ModelRunner:
         self.device = device
         self.group_blocks = backend.decode_group_blocks
         self.graphs = graphs  # decode steps by CUDA-graph replay (engine/cuda_graphs.py); None: always eager
+        self.last_prepare_s = 0.0  # the latest step's time building its inputs (engine/step_profile.py)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """One forward pass; returns the sequences that get a new token and their float32 logits."""
+        started = time.perf_counter()
         if self.graphs is not None and all(n == 1 for _, n in scheduled):
             decodes = sorted((seq for seq, _ in scheduled), key=lambda seq: len(seq.block_table))
             hidden = self.graphs.run(decodes)
             if hidden is not None:
+                self.last_prepare_s = 0.0  # inside the replay
                 return decodes, self.model.compute_logits(hidden)
         batch = self.prepare(scheduled)
+        self.last_prepare_s = time.perf_counter() - started
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         return batch.sample_sequences, logits
