@@ -16,12 +16,23 @@ import yaml
 
 from kvfleet.autoscale_replay.engine_model import EngineModel
 from kvfleet.autoscale_replay.slo import Slo
-from kvfleet.autoscale_replay.trace import read_csv
+from kvfleet.autoscale_replay.trace import Row, Trace, read_csv
 from kvfleet.cli import PLAIN_LOG_FORMAT, main
 from kvfleet.engine.request_log import JsonFormatter, log_finished
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.fleet.priority import Priority
 from kvfleet.operator.fleet_spec import parse_fleet
-from kvfleet.plan.sizing import LOAD_TEST_FACTOR, SIM_SECONDS, percentile, replicas_for, synthetic, with_batch
+from kvfleet.plan.sizing import (
+    KV_WASTE_TARGET,
+    LOAD_TEST_FACTOR,
+    SIM_SECONDS,
+    block_size_for,
+    kv_waste,
+    percentile,
+    replicas_for,
+    synthetic,
+    with_batch,
+)
 
 CLASSES = ["critical", "standard", "sheddable"]
 
@@ -54,10 +65,21 @@ def test_plan_from_a_trace_sizes_context_kv_and_replicas(tmp_path: Path, capsys)
     p99 = percentile([r.prompt_tokens for r in rows], 99) + percentile([r.output_tokens for r in rows], 99)
     fleet = printed_fleet(out)
     engine = fleet["spec"]["engine"]
-    assert engine["maxModelLen"] == -(-p99 // 16) * 16
-    assert "maxModelLen" in out and "P99 prompt" in out and "150%" in out
+    block = engine["blockSize"]
+    assert engine["maxModelLen"] == -(-p99 // block) * block
+    assert "maxModelLen" in out and "P99 prompt" in out and "150%" in out and f"blockSize {block}" in out
     parsed = parse_fleet("chat", "default", fleet["spec"])  # what the operator would run
     assert parsed.engine.max_model_len == engine["maxModelLen"] and parsed.replicas == fleet["spec"]["replicas"]
+
+
+def test_the_block_size_is_the_largest_that_wastes_at_most_4_percent_of_the_kv_cache() -> None:
+    assert kv_waste([17, 32], 16) == 15 / 64  # the first sequence's second block holds one token of 16
+    def trace(context: int) -> Trace:
+        return Trace.of(Row(float(i), context, 2, Priority.STANDARD) for i in range(20))
+    assert block_size_for(trace(1000 - 1))[0] == 32  # 1,000 tokens: a 32-token block wastes under 4 %
+    size, waste = block_size_for(trace(135 - 1))  # the engine benchmark's contexts at its peak
+    assert size == 8 and waste <= KV_WASTE_TARGET
+    assert block_size_for(trace(20 - 1)) == (8, kv_waste([20], 8))  # nothing reaches it: the smallest, said
 
 
 def test_the_replicas_are_the_fewest_that_meet_the_slo(tmp_path: Path) -> None:

@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct", help="its shape sets the KV bytes per token")
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32",
                    help="of the KV cache: float32 on CPUs (the engine's default there), bfloat16 on GPUs")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="the engines' KV block size (default: the largest of 32, 16, 8 that wastes at most 4 %% of "
+                        "the KV cache on this traffic)")
     p.add_argument("--name", default="chat", help="of the InferenceFleet printed")
     p.add_argument("--slo", default="", metavar="CLASS=S,...", help="TTFT objectives (default: " + ",".join(
         f"{k.value}={v:g}" for k, v in DEFAULT_TTFT_S.items()) + ")")
