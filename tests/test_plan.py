@@ -96,7 +96,8 @@ def test_max_tokens_sets_the_output_allowance(tmp_path: Path, capsys) -> None:
     code, out = plan(capsys, "--log", str(trace_path), "--max-tokens", "1000")
     assert code == 0
     expected = percentile([r.prompt_tokens for r in rows], 99) + 1000
-    assert printed_fleet(out)["spec"]["engine"]["maxModelLen"] == -(-expected // 16) * 16
+    engine = printed_fleet(out)["spec"]["engine"]
+    assert engine["maxModelLen"] == -(-expected // engine["blockSize"]) * engine["blockSize"]
 
 
 def test_the_post_mortem_fleet_is_warned_with_its_cost(tmp_path: Path, capsys) -> None:
@@ -143,7 +144,8 @@ def test_plan_reads_the_engines_request_log(tiny_engine, tmp_path: Path, capsys,
     assert code == 0, out
     assert f"The log holds {len(outputs)} requests" in out
     longest = max(len(o.prompt_token_ids) for o in outputs)
-    assert printed_fleet(out)["spec"]["engine"]["maxModelLen"] == -(-(longest + 5) // 16) * 16
+    engine = printed_fleet(out)["spec"]["engine"]
+    assert engine["maxModelLen"] == -(-(longest + 5) // engine["blockSize"]) * engine["blockSize"]
 
 
 @pytest.mark.parametrize(("content", "says"), [
