@@ -234,7 +234,8 @@ class Gateway:
         `on_queue(max_queue_ms)` is told before a wait in the queue. The body is read only once the headers pass.
         `stream_usage` False: nothing will read a stream's usage chunk (an Envoy without kvfleet's Lua filter), so
         the engine is not asked for it. `parsed`: the body, already parsed and checked (read_body still gives its
-        bytes), and rewritten where `degraded` names the ladder's step that rewrote it (a fallback model)."""
+        bytes); `rewritten`: the caller changed it (its model), so it is sent re-encoded; `degraded`: the ladder's
+        step the caller took (a fallback model), on the answer and in the metrics."""
         arrived_at = time.monotonic()  # its time to first token counts from here
         max_queue_ms = self._max_queue_ms(request_headers.get(headers.MAX_QUEUE_MS))
         key = authenticate(self.keys, request_headers)

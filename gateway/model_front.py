@@ -145,7 +145,7 @@ class ModelFront:
                 gateway = self._fleet(route)
                 await gateway.start()
                 self.fleets[name] = gateway
-        if gone or len(wanted) != len(self.fleets):
+        if gone:  # a new fleet's engines set it as discovery adds them
             self.pool.membership_changed.set()
         log.info("models: %s", ", ".join(sorted(wanted)) or "none")
 
@@ -198,8 +198,9 @@ class ModelFront:
     async def models_response(self, request_headers: Mapping[str, str]) -> Response:
         """Every model and alias; an engine's own entry where one answers (its max_model_len and so on)."""
         key = authenticate(self.keys, request_headers)
-        for gateway in list(self.fleets.values())[:1]:  # counted once, against the first model's limits
-            await gateway._limit(key, None)
+        first = next(iter(self.fleets.values()), None)
+        if first is not None:  # counted once, against the first model's limits
+            await first._limit(key, None)
         entries = await asyncio.gather(*(self._model_entry(r) for r in self.routes))
         data = []
         for route, entry in zip(self.routes, entries, strict=True):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet.fleet.engine_settings import LOCAL_FLEET, EngineSettings
+from kvfleet.gateway.model_routes import check_model_name
 from kvfleet.redis_server import RedisServer, free_port
 from kvfleet.supervisor import Child, Supervisor, kvfleet_command
 
@@ -54,6 +55,9 @@ class FleetSpec:
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be a TCP port, not {self.port}")
         served = [served_name(m)[0] for m in self.models]
+        if len(served) > 1:  # the gateway routes by these names
+            for name in served:
+                check_model_name(name, "--model")
         if len(set(served)) != len(served):
             raise ValueError(f"each model name once (NAME=MODEL serves MODEL under another name): {', '.join(served)}")
         if len(self.models) * self.engines > 64:
@@ -65,10 +69,11 @@ class FleetSpec:
 
 
 def served_name(entry: str) -> tuple[str, str]:
-    """`--model NAME=MODEL` -> (NAME, MODEL): MODEL served as NAME; a plain MODEL is served as itself."""
+    """`--model NAME=MODEL` -> (NAME, MODEL): MODEL served as NAME; a plain MODEL is served as itself. ValueError
+    for a name the gateway would refuse (it says why), before anything starts."""
     name, sep, model = entry.partition("=")
     if sep and name.strip() and model.strip() and "/" not in name:
-        return name.strip(), model.strip()
+        return check_model_name(name, f"--model {entry[:80]!r}"), model.strip()
     return entry, entry
 
 
