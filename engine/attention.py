@@ -9,6 +9,7 @@ The Triton implementation (for GPUs) is in triton_attention.py.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -84,11 +85,22 @@ class AttentionBackend:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Paged attention with torch ops: blocks are gathered whole, so copies move 4 KiB rows, not single tokens."""
+    """Paged attention on the CPU: decode reads the blocks in place (numba, kernels/cpu_decode_attention.py) for fp32;
+    prefill with context and other dtypes gather blocks whole, so copies move 4 KiB rows, not single tokens."""
 
-    # Big enough to amortize the calls, small enough that the gathered K/V (x kv heads x 2) is still in cache
-    # when attention reads it.
+    # Gathering: big enough to amortize the calls, small enough that the gathered K/V (x kv heads x 2) is still in
+    # cache when attention reads it. In place: one group, since the kernel reads each sequence's own length.
     decode_group_blocks = 256
+
+    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(num_layers, num_heads, num_kv_heads, head_dim, block_size, dtype, device)
+        self.decode_in_place = None
+        if device.type == "cpu" and dtype == torch.float32:
+            from kvfleet.kernels.cpu_decode_attention import paged_decode_attention  # numba: imported when used
+
+            self.decode_in_place = paged_decode_attention
+            self.decode_group_blocks = sys.maxsize
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -119,6 +131,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 group: DecodeGroup) -> torch.Tensor:
+        if self.decode_in_place is not None:
+            return self.decode_in_place(q, k_cache, v_cache, group.block_tables, group.seq_lens, self.block_size,
+                                          self.scale)
         batch = q.shape[0]
         tables = group.block_tables.flatten()
         length = group.block_tables.shape[1] * self.block_size

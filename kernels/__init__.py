@@ -1,4 +1,4 @@
-"""Attention kernels (Triton on GPUs), each with a plain-torch reference beside it.
+"""Attention kernels (Triton on GPUs; the CPU decode kernel in numba), each with a plain-torch reference beside it.
 
-May import: the standard library, torch and triton only; the engine imports these, nothing else does.
+May import: the standard library, torch, triton, numba and numpy only; the engine imports these, nothing else does.
 """

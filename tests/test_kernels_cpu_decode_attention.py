@@ -1,0 +1,95 @@
+"""The CPU decode kernel (numba, reads KV blocks in place) agrees with the torch reference and never reads padding."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvfleet.engine.attention import DecodeGroup, TorchAttentionBackend
+from kvfleet.kernels.cpu_decode_attention import paged_decode_attention
+from kvfleet.kernels.decode_attention import paged_decode_attention_reference
+from tests.paged_cases import (
+    BLOCK_SIZES,
+    CONTEXT_LENS,
+    HEAD_DIMS,
+    QUERIES_PER_KV_HEAD,
+    block_tables_for,
+    kv_heads_for,
+    num_blocks_for,
+    random_caches,
+)
+
+
+@pytest.mark.parametrize("block_size", (8, *BLOCK_SIZES))
+@pytest.mark.parametrize("group", QUERIES_PER_KV_HEAD)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_mixed_context_lengths_with_a_cached_prefix_match_the_reference(head_dim: int, group: int,
+                                                                        block_size: int) -> None:
+    torch.manual_seed(head_dim + group + block_size)
+    num_kv_heads = kv_heads_for(group)
+    lengths = list(CONTEXT_LENS)
+    tables = block_tables_for(lengths, block_size, shared_prefix_blocks=1)
+    k_cache, v_cache = random_caches(num_kv_heads, num_blocks_for(tables), block_size, head_dim)
+    k_cache[:, 0] = float("nan")  # block 0 pads the tables: a kernel that reads padding answers NaN
+    v_cache[:, 0] = float("nan")
+    q = torch.randn(len(lengths), num_kv_heads * group, head_dim)
+    seq_lens = torch.tensor(lengths)
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, head_dim**-0.5)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, block_size, head_dim**-0.5)
+    assert out.shape == q.shape
+    assert (out - expected).abs().max().item() <= 1e-4
+
+
+def test_large_scores_stay_finite() -> None:
+    """The online softmax rescales by the running maximum: scores of a few hundred do not overflow exp."""
+    torch.manual_seed(1)
+    lengths = [40, 3]
+    tables = block_tables_for(lengths, 16)
+    k_cache, v_cache = random_caches(1, num_blocks_for(tables), 16, 64)
+    q = torch.randn(2, 3, 64) * 200
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, torch.tensor(lengths), 0.125)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), 16, 0.125)
+    assert torch.isfinite(out).all()
+    assert (out - expected).abs().max().item() <= 1e-3
+
+
+def test_the_engines_cpu_backend_decodes_in_place_and_agrees_with_its_gathering_path() -> None:
+    torch.manual_seed(2)
+    backend = TorchAttentionBackend(1, 9, 3, 64, 16, torch.float32, torch.device("cpu"))
+    assert backend.decode_in_place is not None
+    lengths = [200, 1, 33]
+    tables = block_tables_for(lengths, 16)
+    backend.allocate_kv_cache(num_blocks_for(tables))
+    backend.kv_cache.normal_()
+    k_cache, v_cache = backend.kv_cache[0]
+    q = torch.randn(3, 9, 64)
+    group = DecodeGroup(0, 3, tables, torch.tensor(lengths), 16, torch.float32)
+    in_place = backend._decode(q, k_cache, v_cache, group)
+    backend.decode_in_place = None
+    gathered = backend._decode(q, k_cache, v_cache, group)
+    assert (in_place - gathered).abs().max().item() <= 1e-4
+    assert TorchAttentionBackend(1, 9, 3, 64, 16, torch.bfloat16, torch.device("cpu")).decode_in_place is None
+
+
+def test_engines_sharing_a_process_can_decode_from_several_threads() -> None:
+    torch.manual_seed(3)
+    lengths = [300] * 8
+    tables = block_tables_for(lengths, 16)
+    k_cache, v_cache = random_caches(2, num_blocks_for(tables), 16, 64)
+    q = torch.randn(8, 6, 64)
+    expected = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), 16, 0.125)
+    results: list[torch.Tensor] = []
+
+    def decode() -> None:
+        for _ in range(20):
+            results.append(paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), 16, 0.125))
+
+    threads = [threading.Thread(target=decode) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 80
+    assert all(torch.equal(result, expected) for result in results)
