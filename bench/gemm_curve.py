@@ -40,7 +40,7 @@ def measure(config: ModelConfig, tokens: tuple[int, ...] = TOKENS, repeats: int 
     for m in tokens:
         inputs = [torch.randn(m, inp) for _, inp in shapes]
 
-        def step() -> None:
+        def step(inputs: list[torch.Tensor] = inputs) -> None:
             for layer in layers:
                 for linear, x in zip(layer, inputs, strict=True):
                     linear(x)
