@@ -15,6 +15,8 @@ from torch import nn
 from kvfleet.engine.attention import AttentionBackend, AttentionMetadata
 from kvfleet.engine.model_config import ModelConfig
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin of a step's positions, [T, 1, head_dim / 2] each
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -36,17 +38,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated by each token's position."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos and sin [T, 1, D/2] of each token's position: looked up once per step, shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """x [T, heads, D] rotated by the positions rope was looked up for."""
+        cos, sin = rope
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding,
-                 backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_attention_heads
@@ -56,13 +61,12 @@ class LlamaAttention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
-        self.rotary = rotary
         self.backend = backend
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim))
-        k = self.rotary(positions, k.view(-1, self.num_kv_heads, self.head_dim))
+        q = RotaryEmbedding.rotate(q.view(-1, self.num_heads, self.head_dim), rope)
+        k = RotaryEmbedding.rotate(k.view(-1, self.num_kv_heads, self.head_dim), rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.backend.forward(self.layer, q, k, v, meta))
 
@@ -79,16 +83,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding,
-                 backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer, rotary, backend)
+        self.self_attn = LlamaAttention(config, layer, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -96,10 +99,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, backend) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, backend) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied models read the embedding matrix unless a faster LM head is installed (see pack_linears).
@@ -110,8 +113,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat ragged batch of T tokens."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(rope, x, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
