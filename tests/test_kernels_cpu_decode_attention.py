@@ -93,3 +93,31 @@ def test_engines_sharing_a_process_can_decode_from_several_threads() -> None:
         thread.join()
     assert len(results) == 80
     assert all(torch.equal(result, expected) for result in results)
+
+
+def test_without_a_writable_cache_the_kernel_compiles_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numba refuses cache=True where it can write nowhere (a read-only image): the kernel is still built."""
+    import numba
+
+    from kvfleet.kernels import cpu_decode_attention
+
+    real_njit = numba.njit
+
+    def njit(*args, **options):
+        if options.get("cache"):
+            raise RuntimeError("cannot cache function '_decode_kernel': no locator available")
+        return real_njit(*args, **options)
+
+    monkeypatch.setattr(numba, "njit", njit)
+    kernel = cpu_decode_attention._compile()
+    assert type(kernel._cache).__name__ == "NullCache"  # built without an on-disk cache
+    lengths = [5]
+    tables = block_tables_for(lengths, 16)
+    k_cache, v_cache = random_caches(1, num_blocks_for(tables), 16, 64)
+    q = torch.randn(1, 1, 1, 64)
+    out = torch.empty_like(q)
+    kernel(q.numpy(), k_cache.view(1, -1, 16, 64).numpy(), v_cache.view(1, -1, 16, 64).numpy(), tables.numpy(),
+           torch.tensor(lengths).numpy(), 0.125, out.numpy())
+    expected = paged_decode_attention_reference(q.view(1, 1, 64), k_cache, v_cache, tables, torch.tensor(lengths),
+                                                0.125)
+    assert (out.view(1, 1, 64) - expected).abs().max().item() <= 1e-4
