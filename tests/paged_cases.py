@@ -38,3 +38,13 @@ def block_tables_for(lengths: list[int], block_size: int, shared_prefix_blocks: 
 
 def num_blocks_for(tables: torch.Tensor) -> int:
     return int(tables.max()) + 1
+
+
+def decode_case(lengths: list[int], block_size: int, head_dim: int, num_kv_heads: int, group: int,
+                shared_prefix_blocks: int = 0, dtype: torch.dtype = torch.float32
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step's inputs: q [S, KVH * group, D], the K and V pools, block tables and seq_lens [S]."""
+    tables = block_tables_for(lengths, block_size, shared_prefix_blocks)
+    k_cache, v_cache = random_caches(num_kv_heads, num_blocks_for(tables), block_size, head_dim, dtype)
+    q = torch.randn(len(lengths), num_kv_heads * group, head_dim).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lengths)

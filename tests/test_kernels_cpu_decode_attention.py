@@ -16,9 +16,9 @@ from tests.paged_cases import (
     HEAD_DIMS,
     QUERIES_PER_KV_HEAD,
     block_tables_for,
+    decode_case,
     kv_heads_for,
     num_blocks_for,
-    random_caches,
 )
 
 
@@ -28,14 +28,10 @@ from tests.paged_cases import (
 def test_mixed_context_lengths_with_a_cached_prefix_match_the_reference(head_dim: int, group: int,
                                                                         block_size: int) -> None:
     torch.manual_seed(head_dim + group + block_size)
-    num_kv_heads = kv_heads_for(group)
-    lengths = list(CONTEXT_LENS)
-    tables = block_tables_for(lengths, block_size, shared_prefix_blocks=1)
-    k_cache, v_cache = random_caches(num_kv_heads, num_blocks_for(tables), block_size, head_dim)
+    q, k_cache, v_cache, tables, seq_lens = decode_case(list(CONTEXT_LENS), block_size, head_dim,
+                                                        kv_heads_for(group), group, shared_prefix_blocks=1)
     k_cache[:, 0] = float("nan")  # block 0 pads the tables: a kernel that reads padding answers NaN
     v_cache[:, 0] = float("nan")
-    q = torch.randn(len(lengths), num_kv_heads * group, head_dim)
-    seq_lens = torch.tensor(lengths)
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, head_dim**-0.5)
     out = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, block_size, head_dim**-0.5)
     assert out.shape == q.shape
@@ -45,12 +41,10 @@ def test_mixed_context_lengths_with_a_cached_prefix_match_the_reference(head_dim
 def test_large_scores_stay_finite() -> None:
     """The online softmax rescales by the running maximum: scores of a few hundred do not overflow exp."""
     torch.manual_seed(1)
-    lengths = [40, 3]
-    tables = block_tables_for(lengths, 16)
-    k_cache, v_cache = random_caches(1, num_blocks_for(tables), 16, 64)
-    q = torch.randn(2, 3, 64) * 200
-    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, torch.tensor(lengths), 0.125)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), 16, 0.125)
+    q, k_cache, v_cache, tables, seq_lens = decode_case([40, 3], 16, 64, num_kv_heads=1, group=3)
+    q *= 200
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 16, 0.125)
     assert torch.isfinite(out).all()
     assert (out - expected).abs().max().item() <= 1e-3
 
@@ -75,16 +69,13 @@ def test_the_engines_cpu_backend_decodes_in_place_and_agrees_with_its_gathering_
 
 def test_engines_sharing_a_process_can_decode_from_several_threads() -> None:
     torch.manual_seed(3)
-    lengths = [300] * 8
-    tables = block_tables_for(lengths, 16)
-    k_cache, v_cache = random_caches(2, num_blocks_for(tables), 16, 64)
-    q = torch.randn(8, 6, 64)
-    expected = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), 16, 0.125)
+    q, k_cache, v_cache, tables, seq_lens = decode_case([300] * 8, 16, 64, num_kv_heads=2, group=3)
+    expected = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 16, 0.125)
     results: list[torch.Tensor] = []
 
     def decode() -> None:
         for _ in range(20):
-            results.append(paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), 16, 0.125))
+            results.append(paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 16, 0.125))
 
     threads = [threading.Thread(target=decode) for _ in range(4)]
     for thread in threads:
@@ -111,13 +102,9 @@ def test_without_a_writable_cache_the_kernel_compiles_at_start(monkeypatch: pyte
     monkeypatch.setattr(numba, "njit", njit)
     kernel = cpu_decode_attention._compile()
     assert type(kernel._cache).__name__ == "NullCache"  # built without an on-disk cache
-    lengths = [5]
-    tables = block_tables_for(lengths, 16)
-    k_cache, v_cache = random_caches(1, num_blocks_for(tables), 16, 64)
-    q = torch.randn(1, 1, 1, 64)
+    q, k_cache, v_cache, tables, seq_lens = decode_case([5], 16, 64, num_kv_heads=1, group=1)
     out = torch.empty_like(q)
-    kernel(q.numpy(), k_cache.view(1, -1, 16, 64).numpy(), v_cache.view(1, -1, 16, 64).numpy(), tables.numpy(),
-           torch.tensor(lengths).numpy(), 0.125, out.numpy())
-    expected = paged_decode_attention_reference(q.view(1, 1, 64), k_cache, v_cache, tables, torch.tensor(lengths),
-                                                0.125)
-    assert (out.view(1, 1, 64) - expected).abs().max().item() <= 1e-4
+    kernel(q.view(1, 1, 1, 64).numpy(), k_cache.view(1, -1, 16, 64).numpy(), v_cache.view(1, -1, 16, 64).numpy(),
+           tables.numpy(), seq_lens.numpy(), 0.125, out.view(1, 1, 1, 64).numpy())
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    assert (out - expected).abs().max().item() <= 1e-4

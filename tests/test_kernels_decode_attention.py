@@ -17,6 +17,7 @@ from tests.paged_cases import (
     HEAD_DIMS,
     QUERIES_PER_KV_HEAD,
     block_tables_for,
+    decode_case,
     kv_heads_for,
     num_blocks_for,
     random_caches,
@@ -29,12 +30,8 @@ from tests.paged_cases import (
 def test_mixed_context_lengths_with_a_cached_prefix_match_the_reference(head_dim: int, group: int,
                                                                         block_size: int) -> None:
     torch.manual_seed(head_dim + group + block_size)
-    num_kv_heads = kv_heads_for(group)
-    lengths = list(CONTEXT_LENS)
-    tables = block_tables_for(lengths, block_size, shared_prefix_blocks=1)
-    k_cache, v_cache = random_caches(num_kv_heads, num_blocks_for(tables), block_size, head_dim)
-    q = torch.randn(len(lengths), num_kv_heads * group, head_dim)
-    seq_lens = torch.tensor(lengths)
+    q, k_cache, v_cache, tables, seq_lens = decode_case(list(CONTEXT_LENS), block_size, head_dim,
+                                                        kv_heads_for(group), group, shared_prefix_blocks=1)
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, head_dim**-0.5)
     for num_splits in (1, 4):  # 4 asks for splits of 128 tokens (3 cover 257); shorter sequences leave some empty
         out = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, head_dim**-0.5, num_splits=num_splits)
