@@ -168,6 +168,8 @@ def test_a_saturated_model_falls_back_to_its_fallback_only_when_allowed_and_says
           "the fallback was not counted", timeout=10)
     waited = out["not allowed"]  # served by its own model once the holders left
     assert waited.status_code == 200 and waited.json()["model"] == TINY and DEGRADED not in waited.headers
+    until(lambda: httpx.get(f"{gateway}/ready").json()["models"][TINY]["available"] == 1,
+          "the gateway never saw the tiny engine with room again")  # its view trails the engine by a scrape
     with_room: dict = {}
     complete(gateway, with_room, "allowed", **{ALLOW_FALLBACK: "true"})  # room again: no fallback
     assert with_room["allowed"].json()["model"] == TINY and DEGRADED not in with_room["allowed"].headers
