@@ -1,11 +1,12 @@
 """Throughput of continuous batching vs static batching vs HF transformers, side by side in one run.
 
     python -m bench.engine_throughput --num-requests 64 --out bench/results
+    python -m bench.engine_throughput --dtype bfloat16 --also-dtype float32 --skip static   # where the CPU has bfloat16
 
 The Anyscale-style workload (bench/workload.py): N requests submitted at once, prompts of 16-256 tokens,
-outputs exponential (mean 64, cap 256), EOS ignored; SmolLM2-135M-Instruct, fp32, 2 threads.
+outputs exponential (mean 64, cap 256), EOS ignored; SmolLM2-135M-Instruct, fp32 (or --dtype), 2 threads.
 Reports useful tokens/s (each request's own output tokens), ratios, model FLOP utilization against this
-machine's fp32 GEMM peak measured in the same run, peak KV utilization, and concurrency against
+machine's GEMM peak in the same dtype measured in the same run, peak KV utilization, and concurrency against
 reserving max_model_len per sequence. Writes JSON and a PNG chart.
 """
 
@@ -29,15 +30,16 @@ from kvfleet.engine.packed_linear import PackedLinear, can_pack
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.step_profile import StepProfile
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_MODEL_LEN = 2048
 PREALLOCATED_SEQS = 8  # the KV budget: what reserving max_model_len per sequence would hold this many of
 
 
-def gemm_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """Best fp32 GEMM rate of this machine right now, in GFLOP/s: torch's matmul or a oneDNN-packed one."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def gemm_peak_gflops(size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Best GEMM rate in `dtype` of this machine right now, in GFLOP/s: torch's matmul or a oneDNN-packed one."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     candidates = [lambda: a @ b]
-    if can_pack(torch.device("cpu"), torch.float32):
+    if can_pack(torch.device("cpu"), dtype):
         packed = PackedLinear(b, None)
         candidates.append(lambda: packed(a))
     best = float("inf")
@@ -64,12 +66,12 @@ def useful_flops(config: ModelConfig, requests: list[BenchRequest]) -> float:
 
 
 def run_kvfleet(requests: list[BenchRequest], static: bool, kv_tokens: int, static_batch: int = 8,
-                block_size: int = 16, profile: bool = False) -> RunResult:
+                block_size: int = 16, profile: bool = False, dtype: str = "float32") -> RunResult:
     model_config = ModelConfig.from_dir(resolve_model("smollm2-135m-instruct"))
-    per_token = model_config.kv_bytes_per_token * 4
+    per_token = model_config.kv_bytes_per_token * DTYPES[dtype].itemsize
     engine = LLMEngine(EngineConfig(
         max_model_len=MAX_MODEL_LEN, max_num_seqs=static_batch if static else 256, max_num_batched_tokens=2048,
-        static_batching=static, block_size=block_size,
+        static_batching=static, block_size=block_size, dtype=dtype,
         kv_cache_memory=kv_tokens * per_token, max_num_waiting=len(requests) + 1,
     ), show_progress=False)
     engine.generate([[100] * 32], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
@@ -92,11 +94,13 @@ def run_kvfleet(requests: list[BenchRequest], static: bool, kv_tokens: int, stat
     name = f"kvfleet static batches of {static_batch}" if static else "kvfleet continuous batching"
     if block_size != 16:
         name += f", {block_size}-token blocks"
+    if dtype != "float32":
+        name += f", {dtype}"
     if engine.profile is not None:
         print(f"{name}: where the steps' time went\n{engine.profile.table()}", flush=True)
     return RunResult(name, seconds, sum(r.output_len for r in requests), {
         "block_size": block_size, "step_profile": engine.profile.summary() if engine.profile else None,
-        "steps": steps, "kv_blocks": bm.num_blocks, "peak_blocks_used": peak_blocks,
+        "dtype": dtype, "steps": steps, "kv_blocks": bm.num_blocks, "peak_blocks_used": peak_blocks,
         "peak_kv_utilization": live_at_peak / (peak_blocks * bm.block_size) if peak_blocks else 0.0,
         "peak_running": peak_running, "preemptions": engine.scheduler.num_preemptions,
     })
@@ -109,6 +113,10 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], choices=["static", "hf-static", "hf-continuous"])
     parser.add_argument("--block-size", type=int, nargs="*", default=[],
                         help="also run continuous batching with these KV block sizes (its KV waste and speed)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                        help="every system's weights, activations and KV cache (bfloat16: where the CPU has it)")
+    parser.add_argument("--also-dtype", choices=list(DTYPES), nargs="*", default=[],
+                        help="also run continuous batching in these dtypes, side by side")
     parser.add_argument("--profile", action="store_true",
                         help="print where continuous batching's steps spend their time (engine/step_profile.py)")
     parser.add_argument("--replot", type=Path, help="redraw the chart of an earlier run's JSON and exit")
@@ -122,21 +130,25 @@ def main() -> None:
     config = ModelConfig.from_dir(model_dir)
     kv_tokens = PREALLOCATED_SEQS * MAX_MODEL_LEN
 
-    peak_before = gemm_peak_gflops()
-    results = [run_kvfleet(requests, static=False, kv_tokens=kv_tokens, profile=args.profile)]
+    dtype, dtypes = args.dtype, [args.dtype, *args.also_dtype]
+    peaks_before = {d: gemm_peak_gflops(dtype=DTYPES[d]) for d in dtypes}
+    results = [run_kvfleet(requests, static=False, kv_tokens=kv_tokens, profile=args.profile, dtype=dtype)]
     for block_size in args.block_size:
         results.append(run_kvfleet(requests, static=False, kv_tokens=kv_tokens, block_size=block_size,
-                                   profile=args.profile))
+                                   profile=args.profile, dtype=dtype))
+    for other in args.also_dtype:
+        results.append(run_kvfleet(requests, static=False, kv_tokens=kv_tokens, profile=args.profile, dtype=other))
     if "static" not in args.skip:
-        results.append(run_kvfleet(requests, static=True, kv_tokens=kv_tokens))
+        results.append(run_kvfleet(requests, static=True, kv_tokens=kv_tokens, dtype=dtype))
     if "hf-static" not in args.skip or "hf-continuous" not in args.skip:
         from bench.hf_baselines import run_hf_continuous, run_hf_static
 
         if "hf-static" not in args.skip:
-            results.append(run_hf_static(model_dir, requests, batch_size=8))
+            results.append(run_hf_static(model_dir, requests, batch_size=8, dtype=DTYPES[dtype]))
         if "hf-continuous" not in args.skip:
-            results.append(run_hf_continuous(model_dir, requests))
-    peak = max(peak_before, gemm_peak_gflops())
+            results.append(run_hf_continuous(model_dir, requests, dtype=DTYPES[dtype]))
+    peaks = {d: max(peaks_before[d], gemm_peak_gflops(dtype=DTYPES[d])) for d in dtypes}
+    peak = peaks[dtype]
 
     flops = useful_flops(config, requests)
     ours = results[0]
@@ -144,11 +156,13 @@ def main() -> None:
         "workload": {"num_requests": len(requests), "useful_tokens": ours.useful_tokens,
                      "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
                      "useful_gflop": flops / 1e9},
-        "gemm_peak_gflops": peak,
+        "dtype": dtype,
+        "gemm_peak_gflops": peak,  # in the run's dtype; each system's model FLOP utilization is against its own dtype's
+        "gemm_peak_gflops_by_dtype": peaks,
         "kv_budget_tokens": kv_tokens,
         "preallocated_concurrency": PREALLOCATED_SEQS,
         "systems": [{**asdict(r), "tokens_per_s": r.tokens_per_s,
-                     "mfu": flops / r.seconds / (peak * 1e9),
+                     "mfu": flops / r.seconds / (peaks[r.extra.get("dtype", dtype)] * 1e9),
                      "ratio_of_kvfleet_to_this": ours.tokens_per_s / r.tokens_per_s} for r in results],
     }
     blocks_per_request = [-(-(len(r.prompt_token_ids) + r.output_len) // 16) for r in requests]
@@ -181,7 +195,7 @@ def _chart(report: dict, path: Path) -> None:
     ax.set_xlim(0, max(values) * 1.25)
     ax.set_xlabel("useful output tokens per second (higher is better)")
     workload = report["workload"]
-    ax.set_title(f"SmolLM2-135M fp32, 2 CPU threads: {workload['num_requests']} requests, "
+    ax.set_title(f"SmolLM2-135M {report.get('dtype', 'float32')}, 2 CPU threads: {workload['num_requests']} requests, "
                  f"{workload['useful_tokens']} useful tokens", fontsize=10)
     finish(fig, path, dpi=120)
 

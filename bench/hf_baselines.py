@@ -28,10 +28,10 @@ NO_EOS = -1  # HF continuous batching reads a negative EOS id as "never stop ear
 WARMUP = BenchRequest([100] * 8, output_len=2)
 
 
-def load_model(model_dir: Path, threads: int = NUM_THREADS) -> PreTrainedModel:
-    """The model in fp32 on CPU, with EOS unset so that `generate` runs every row to max_new_tokens."""
+def load_model(model_dir: Path, threads: int = NUM_THREADS, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The model on CPU in `dtype`, with EOS unset so that `generate` runs every row to max_new_tokens."""
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     # generate() fills unset fields from model.generation_config, so EOS must go from there, not just from our config.
     model.generation_config.eos_token_id = None
     return model
@@ -69,9 +69,9 @@ def generate_static_batch(model: PreTrainedModel, batch: list[BenchRequest]) -> 
 
 
 def run_hf_static(model_dir: Path, requests: list[BenchRequest], batch_size: int = 8,
-                  threads: int = NUM_THREADS) -> RunResult:
+                  threads: int = NUM_THREADS, dtype: torch.dtype = torch.float32) -> RunResult:
     """HF `generate` over padded static batches of `batch_size`, greedy, EOS ignored."""
-    model = load_model(model_dir, threads)
+    model = load_model(model_dir, threads, dtype)
     generate_static_batch(model, [WARMUP])
     batches = static_batches(requests, batch_size)
     start = time.perf_counter()
@@ -89,13 +89,14 @@ def run_hf_static(model_dir: Path, requests: list[BenchRequest], batch_size: int
         "prompt_pad_tokens": padded_prompt - sum(len(r.prompt_token_ids) for r in requests),
         "attn_implementation": model.config._attn_implementation,
         "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
     })
 
 
-def kv_bytes_per_block(config: PretrainedConfig, page_size: int) -> int:
-    """Bytes of one HF cache block: keys and values of `page_size` tokens for every layer, in fp32."""
+def kv_bytes_per_block(config: PretrainedConfig, page_size: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of one HF cache block: keys and values of `page_size` tokens for every layer, in `dtype`."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * page_size * 4
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * page_size * dtype.itemsize
 
 
 def collect_results(manager: ContinuousBatchingManager, request_ids: list[str]) -> dict[str, list[int]]:
@@ -116,10 +117,11 @@ def collect_results(manager: ContinuousBatchingManager, request_ids: list[str]) 
 
 def run_hf_continuous(model_dir: Path, requests: list[BenchRequest], kv_cache_bytes: int = 1 << 30,
                       page_size: int = 256, max_batch_tokens: int = 2048,
-                      max_requests_per_batch: int = 128, threads: int = NUM_THREADS) -> RunResult:
+                      max_requests_per_batch: int = 128, threads: int = NUM_THREADS,
+                      dtype: torch.dtype = torch.float32) -> RunResult:
     """HF transformers' continuous batching (paged cache, SDPA on CPU), per-request max_new_tokens, EOS ignored."""
-    model = load_model(model_dir, threads)
-    block_bytes = kv_bytes_per_block(model.config, page_size)
+    model = load_model(model_dir, threads, dtype)
+    block_bytes = kv_bytes_per_block(model.config, page_size, dtype)
     cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=max(1, kv_cache_bytes // block_bytes),
                                          max_batch_tokens=max_batch_tokens,
                                          max_requests_per_batch=max_requests_per_batch)
@@ -156,6 +158,7 @@ def run_hf_continuous(model_dir: Path, requests: list[BenchRequest], kv_cache_by
         "prefix_sharing": resolved.allow_block_sharing,
         "scheduler": resolved.scheduler_type,
         "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
     })
 
 

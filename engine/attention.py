@@ -85,8 +85,8 @@ class AttentionBackend:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Paged attention on the CPU: decode reads the blocks in place (numba, kernels/cpu_decode_attention.py) for fp32;
-    prefill with context and other dtypes gather blocks whole, so copies move 4 KiB rows, not single tokens."""
+    """Paged attention on the CPU: decode reads the blocks in place (numba, kernels/cpu_decode_attention.py) for float32
+    and bfloat16; prefill with context and other dtypes gather blocks whole, so copies move 4 KiB rows, not tokens."""
 
     # Gathering: big enough to amortize the calls, small enough that the gathered K/V (x kv heads x 2) is still in
     # cache when attention reads it. In place: one group, since the kernel reads each sequence's own length.
@@ -96,11 +96,12 @@ class TorchAttentionBackend(AttentionBackend):
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(num_layers, num_heads, num_kv_heads, head_dim, block_size, dtype, device)
         self.decode_in_place = None
-        if device.type == "cpu" and dtype == torch.float32:
-            from kvfleet.kernels.cpu_decode_attention import paged_decode_attention  # numba: imported when used
+        if device.type == "cpu":
+            from kvfleet.kernels import cpu_decode_attention  # numba: imported when used
 
-            self.decode_in_place = paged_decode_attention
-            self.decode_group_blocks = sys.maxsize
+            if dtype in cpu_decode_attention.CACHE_DTYPES:
+                self.decode_in_place = cpu_decode_attention.paged_decode_attention
+                self.decode_group_blocks = sys.maxsize
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -5,8 +5,8 @@ The plain-torch path gathers every sequence's blocks into a contiguous copy, the
 cache crosses memory three times (read, write, read), which was ~30 % of a decode-heavy run on this machine
 (docs/benchmarks.md). Here each (sequence, KV head) pair walks its block table once, scores the block's keys against
 the group's query heads while the block is in L1, and folds the values in with an online softmax, as the Triton
-decode kernel does on GPUs (kernels/decode_attention.py). fp32 only; the engine keeps the torch path for other
-dtypes.
+decode kernel does on GPUs (kernels/decode_attention.py). float32 and bfloat16 caches (numpy has no bfloat16: its
+raw bits are read as uint16 and widened block by block); the engine keeps the torch path for other dtypes.
 """
 
 from __future__ import annotations
@@ -21,10 +21,46 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def _attend_block(queries, keys, values, count, scores, running_max, denom, acc):  # pragma: no cover - numba
+    """Fold one block's first `count` keys and values (float32 [block_size, D]) into every query head's online
+    softmax state: running_max, denom [G], acc [G, D]."""
+    group, head_dim = queries.shape
+    for g in range(group):
+        top = running_max[g]
+        for t in range(count):
+            dot = np.float32(0.0)
+            for x in range(head_dim):
+                dot += queries[g, x] * keys[t, x]
+            scores[t] = dot
+            if dot > top:
+                top = dot
+        rescale = np.exp(running_max[g] - top)
+        total = denom[g] * rescale
+        for x in range(head_dim):
+            acc[g, x] *= rescale
+        running_max[g] = top
+        for t in range(count):
+            weight = np.exp(scores[t] - top)
+            total += weight
+            for x in range(head_dim):
+                acc[g, x] += weight * values[t, x]
+        denom[g] = total
+
+
+def _widen_bf16(bits, count, out):  # pragma: no cover - compiled by numba
+    """out[:count] = the bfloat16 rows `bits` (their raw 16 bits) as float32: a bfloat16 is a float32's top half."""
+    wide = out.view(np.uint32)
+    for t in range(count):
+        for x in range(bits.shape[1]):
+            wide[t, x] = np.uint32(bits[t, x]) << np.uint32(16)
+
+
 def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out):  # pragma: no cover - compiled by numba
-    """q, out [B, KVH, G, D]; k_cache, v_cache [KVH, num_blocks, block_size, D]; block_tables [B, W]; seq_lens [B]."""
+    """q, out [B, KVH, G, D] float32; k_cache, v_cache [KVH, num_blocks, block_size, D]: float32, or the raw bits of
+    bfloat16 as uint16 (each block widened into a float32 copy while it is in L1); block_tables [B, W]; seq_lens [B]."""
     batch, kv_heads, group, head_dim = q.shape
     block_size = k_cache.shape[2]
+    widen = k_cache.itemsize == 2
     for job in numba.prange(batch * kv_heads):
         b = job // kv_heads
         h = job - b * kv_heads
@@ -34,68 +70,65 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out):  # 
         denom = np.zeros(group, np.float32)
         scores = np.empty(block_size, np.float32)
         queries = np.empty((group, head_dim), np.float32)
+        wide_keys = np.empty((block_size, head_dim), np.float32)
+        wide_values = np.empty((block_size, head_dim), np.float32)
         for g in range(group):
             for x in range(head_dim):
                 queries[g, x] = q[b, h, g, x] * scale
         for j in range((length + block_size - 1) // block_size):
             block = block_tables[b, j]
             count = min(block_size, length - j * block_size)
-            keys = k_cache[h, block]
-            values = v_cache[h, block]
-            for g in range(group):
-                top = running_max[g]
-                for t in range(count):
-                    dot = np.float32(0.0)
-                    for x in range(head_dim):
-                        dot += queries[g, x] * keys[t, x]
-                    scores[t] = dot
-                    if dot > top:
-                        top = dot
-                rescale = np.exp(running_max[g] - top)
-                total = denom[g] * rescale
-                for x in range(head_dim):
-                    acc[g, x] *= rescale
-                running_max[g] = top
-                for t in range(count):
-                    weight = np.exp(scores[t] - top)
-                    total += weight
-                    for x in range(head_dim):
-                        acc[g, x] += weight * values[t, x]
-                denom[g] = total
+            if widen:
+                _widen_bf16(k_cache[h, block], count, wide_keys)
+                _widen_bf16(v_cache[h, block], count, wide_values)
+                _attend_block(queries, wide_keys, wide_values, count, scores, running_max, denom, acc)
+            else:
+                _attend_block(queries, k_cache[h, block], v_cache[h, block], count, scores, running_max, denom, acc)
         for g in range(group):
             inverse = np.float32(1.0) / denom[g] if denom[g] > 0 else np.float32(0.0)
             for x in range(head_dim):
                 out[b, h, g, x] = acc[g, x] * inverse
 
 
-def _compile():
-    options = {"parallel": True, "fastmath": True, "nogil": True}
+def _compile(function, **options):
+    options = {"fastmath": True, "nogil": True, **options}
     try:
-        return numba.njit(cache=True, **options)(_decode_kernel)
+        return numba.njit(cache=True, **options)(function)
     except RuntimeError as err:  # no writable place for numba's cache (a read-only image): compile at every start
-        log.info("numba cannot cache the CPU decode kernel (%s); it compiles at start instead", err)
-        return numba.njit(**options)(_decode_kernel)
+        log.info("numba cannot cache %s (%s); it compiles at start instead", function.__name__, err)
+        return numba.njit(**options)(function)
 
 
-_kernel = _compile()
+# compiled in order: the kernel calls the two helpers by their global names
+_attend_block = _compile(_attend_block, inline="always")
+_widen_bf16 = _compile(_widen_bf16, inline="always")
+_kernel = _compile(_decode_kernel, parallel=True)
 # numba's default thread pool ("workqueue") must not be entered from two threads at once: engines that share a
 # process take turns.
 _launch = threading.Lock()
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                            scale: float) -> torch.Tensor:
-    """q [B, H, D] (one new token per sequence); k_cache, v_cache [KVH, num_blocks, block_size * D];
-    block_tables [B, W] (padding beyond a sequence's blocks is never read); seq_lens [B] tokens to attend to.
-    Returns [B, H, D]."""
+    """q [B, H, D] (one new token per sequence); k_cache, v_cache [KVH, num_blocks, block_size * D], float32 or
+    bfloat16; block_tables [B, W] (padding beyond a sequence's blocks is never read); seq_lens [B] tokens to attend
+    to. Returns [B, H, D] in q's dtype; scores and sums are float32 whatever the cache's dtype."""
+    if k_cache.dtype not in CACHE_DTYPES:
+        raise TypeError(f"the CPU decode kernel reads float32 or bfloat16 caches, not {k_cache.dtype}")
     batch, heads, head_dim = q.shape
     kv_heads, num_blocks = k_cache.shape[0], k_cache.shape[1]
-    queries = q.contiguous().view(batch, kv_heads, heads // kv_heads, head_dim)
+    queries = q.to(torch.float32).contiguous().view(batch, kv_heads, heads // kv_heads, head_dim)
     out = torch.empty_like(queries)
     shape = (kv_heads, num_blocks, block_size, head_dim)
     with _launch:
         numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        _kernel(queries.numpy(), k_cache.view(shape).numpy(), v_cache.view(shape).numpy(),
+        _kernel(queries.numpy(), _raw(k_cache.view(shape)), _raw(v_cache.view(shape)),
                 block_tables.numpy(), seq_lens.numpy(), np.float32(scale), out.numpy())
-    return out.view(batch, heads, head_dim)
+    return out.view(batch, heads, head_dim).to(q.dtype)
+
+
+def _raw(cache: torch.Tensor) -> np.ndarray:
+    """The cache as numba reads it: float32 as is, bfloat16 as its raw 16 bits (numpy has no bfloat16)."""
+    return cache.view(torch.uint16).numpy() if cache.dtype == torch.bfloat16 else cache.numpy()

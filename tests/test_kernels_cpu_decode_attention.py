@@ -1,4 +1,5 @@
-"""The CPU decode kernel (numba, reads KV blocks in place) agrees with the torch reference and never reads padding."""
+"""The CPU decode kernel (numba, reads KV blocks in place; float32 or bfloat16 caches) agrees with the torch reference
+and never reads padding."""
 
 from __future__ import annotations
 
@@ -49,22 +50,48 @@ def test_large_scores_stay_finite() -> None:
     assert (out - expected).abs().max().item() <= 1e-3
 
 
-def test_the_engines_cpu_backend_decodes_in_place_and_agrees_with_its_gathering_path() -> None:
+@pytest.mark.parametrize("block_size", (8, 16))
+@pytest.mark.parametrize("group", (1, 3))
+def test_bfloat16_caches_are_read_in_place_and_match_the_reference_in_float32(group: int, block_size: int) -> None:
+    """bfloat16 K/V (the raw bits widened block by block) and a bfloat16 query: the answer is the float32 attention
+    over the same bfloat16 values, rounded once to bfloat16; padding is never read."""
+    torch.manual_seed(group + block_size)
+    q, k_cache, v_cache, tables, seq_lens = decode_case(list(CONTEXT_LENS), block_size, 64, kv_heads_for(group),
+                                                        group, shared_prefix_blocks=1, dtype=torch.bfloat16)
+    k_cache[:, 0] = float("nan")
+    v_cache[:, 0] = float("nan")
+    expected = paged_decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, 0.125)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, block_size, 0.125)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert (out.float() - expected).abs().max().item() <= 1e-2  # bfloat16 keeps 8 bits of mantissa
+    assert (out.float() - expected.to(torch.bfloat16).float()).abs().max().item() <= 1e-2
+
+
+def test_a_cache_of_another_dtype_is_refused_by_name() -> None:
+    q, k_cache, v_cache, tables, seq_lens = decode_case([5], 16, 64, num_kv_heads=1, group=1, dtype=torch.float16)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 16, 0.125)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_the_engines_cpu_backend_decodes_in_place_and_agrees_with_its_gathering_path(dtype: torch.dtype,
+                                                                                     tolerance: float) -> None:
     torch.manual_seed(2)
-    backend = TorchAttentionBackend(1, 9, 3, 64, 16, torch.float32, torch.device("cpu"))
+    backend = TorchAttentionBackend(1, 9, 3, 64, 16, dtype, torch.device("cpu"))
     assert backend.decode_in_place is not None
     lengths = [200, 1, 33]
     tables = block_tables_for(lengths, 16)
     backend.allocate_kv_cache(num_blocks_for(tables))
     backend.kv_cache.normal_()
     k_cache, v_cache = backend.kv_cache[0]
-    q = torch.randn(3, 9, 64)
-    group = DecodeGroup(0, 3, tables, torch.tensor(lengths), 16, torch.float32)
+    q = torch.randn(3, 9, 64).to(dtype)
+    group = DecodeGroup(0, 3, tables, torch.tensor(lengths), 16, dtype)
     in_place = backend._decode(q, k_cache, v_cache, group)
     backend.decode_in_place = None
     gathered = backend._decode(q, k_cache, v_cache, group)
-    assert (in_place - gathered).abs().max().item() <= 1e-4
-    assert TorchAttentionBackend(1, 9, 3, 64, 16, torch.bfloat16, torch.device("cpu")).decode_in_place is None
+    assert in_place.dtype == dtype
+    assert (in_place.float() - gathered.float()).abs().max().item() <= tolerance
+    assert TorchAttentionBackend(1, 9, 3, 64, 16, torch.float16, torch.device("cpu")).decode_in_place is None
 
 
 def test_engines_sharing_a_process_can_decode_from_several_threads() -> None:
@@ -100,7 +127,7 @@ def test_without_a_writable_cache_the_kernel_compiles_at_start(monkeypatch: pyte
         return real_njit(*args, **options)
 
     monkeypatch.setattr(numba, "njit", njit)
-    kernel = cpu_decode_attention._compile()
+    kernel = cpu_decode_attention._compile(cpu_decode_attention._decode_kernel, parallel=True)
     assert type(kernel._cache).__name__ == "NullCache"  # built without an on-disk cache
     q, k_cache, v_cache, tables, seq_lens = decode_case([5], 16, 64, num_kv_heads=1, group=1)
     out = torch.empty_like(q)
