@@ -73,10 +73,12 @@ class EndpointPicker(ExternalProcessorServicer):
             url = await self._decide(context, request_headers, priority, first.request_headers.end_of_stream,
                                      subset_hint(first), modes, request_id, fleet.append)
         except APIError as err:
-            if err.status != 499:  # a client that left is answered by nobody
-                await context.write(immediate(err, request_id))
+            # counted before the answer goes: Envoy may end the stream once it has the answer, which cancels this
+            # handler at the write (a refusal counted after it went uncounted now and then on a busy machine)
             metrics = fleet[-1].metrics
             metrics.labelled(metrics.requests, priority.value, str(err.status)).inc()
+            if err.status != 499:  # a client that left is answered by nobody
+                await context.write(immediate(err, request_id))
             return
         gateway = fleet[-1]
         if self.feed is None:  # else counted with the answer's real status from Envoy's entry
