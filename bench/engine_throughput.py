@@ -26,11 +26,13 @@ from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.model_files import resolve_model
+from kvfleet.engine.model_loader import pick_dtype
 from kvfleet.engine.packed_linear import PackedLinear, can_pack
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.step_profile import StepProfile
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # the dtypes this benchmark compares (torch dtypes by the engine's pick_dtype)
+CPU = torch.device("cpu")
 MAX_MODEL_LEN = 2048
 PREALLOCATED_SEQS = 8  # the KV budget: what reserving max_model_len per sequence would hold this many of
 
@@ -39,7 +41,7 @@ def gemm_peak_gflops(size: int = 2048, repeats: int = 5, dtype: torch.dtype = to
     """Best GEMM rate in `dtype` of this machine right now, in GFLOP/s: torch's matmul or a oneDNN-packed one."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     candidates = [lambda: a @ b]
-    if can_pack(torch.device("cpu"), dtype):
+    if can_pack(CPU, dtype):
         packed = PackedLinear(b, None)
         candidates.append(lambda: packed(a))
     best = float("inf")
@@ -68,7 +70,7 @@ def useful_flops(config: ModelConfig, requests: list[BenchRequest]) -> float:
 def run_kvfleet(requests: list[BenchRequest], static: bool, kv_tokens: int, static_batch: int = 8,
                 block_size: int = 16, profile: bool = False, dtype: str = "float32") -> RunResult:
     model_config = ModelConfig.from_dir(resolve_model("smollm2-135m-instruct"))
-    per_token = model_config.kv_bytes_per_token * DTYPES[dtype].itemsize
+    per_token = model_config.kv_bytes_per_token * pick_dtype(dtype, CPU).itemsize
     engine = LLMEngine(EngineConfig(
         max_model_len=MAX_MODEL_LEN, max_num_seqs=static_batch if static else 256, max_num_batched_tokens=2048,
         static_batching=static, block_size=block_size, dtype=dtype,
@@ -113,9 +115,9 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], choices=["static", "hf-static", "hf-continuous"])
     parser.add_argument("--block-size", type=int, nargs="*", default=[],
                         help="also run continuous batching with these KV block sizes (its KV waste and speed)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="every system's weights, activations and KV cache (bfloat16: where the CPU has it)")
-    parser.add_argument("--also-dtype", choices=list(DTYPES), nargs="*", default=[],
+    parser.add_argument("--also-dtype", choices=DTYPES, nargs="*", default=[],
                         help="also run continuous batching in these dtypes, side by side")
     parser.add_argument("--profile", action="store_true",
                         help="print where continuous batching's steps spend their time (engine/step_profile.py)")
@@ -131,7 +133,7 @@ def main() -> None:
     kv_tokens = PREALLOCATED_SEQS * MAX_MODEL_LEN
 
     dtype, dtypes = args.dtype, [args.dtype, *args.also_dtype]
-    peaks_before = {d: gemm_peak_gflops(dtype=DTYPES[d]) for d in dtypes}
+    peaks_before = {d: gemm_peak_gflops(dtype=pick_dtype(d, CPU)) for d in dtypes}
     results = [run_kvfleet(requests, static=False, kv_tokens=kv_tokens, profile=args.profile, dtype=dtype)]
     for block_size in args.block_size:
         results.append(run_kvfleet(requests, static=False, kv_tokens=kv_tokens, block_size=block_size,
@@ -144,10 +146,10 @@ def main() -> None:
         from bench.hf_baselines import run_hf_continuous, run_hf_static
 
         if "hf-static" not in args.skip:
-            results.append(run_hf_static(model_dir, requests, batch_size=8, dtype=DTYPES[dtype]))
+            results.append(run_hf_static(model_dir, requests, batch_size=8, dtype=pick_dtype(dtype, CPU)))
         if "hf-continuous" not in args.skip:
-            results.append(run_hf_continuous(model_dir, requests, dtype=DTYPES[dtype]))
-    peaks = {d: max(peaks_before[d], gemm_peak_gflops(dtype=DTYPES[d])) for d in dtypes}
+            results.append(run_hf_continuous(model_dir, requests, dtype=pick_dtype(dtype, CPU)))
+    peaks = {d: max(peaks_before[d], gemm_peak_gflops(dtype=pick_dtype(d, CPU))) for d in dtypes}
     peak = peaks[dtype]
 
     flops = useful_flops(config, requests)
