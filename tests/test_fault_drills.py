@@ -68,20 +68,33 @@ def running(engine: str) -> int:
 
 
 @contextmanager
-def saturated(engine: str, model: str, holders: int = 4) -> Iterator[None]:
-    """The one-sequence engine kept busy with one request running and the rest waiting (--saturation-queue 1)."""
+def saturated(engine: str, model: str, holders: int = 4, fronts: tuple[str, ...] = ()) -> Iterator[None]:
+    """The one-sequence engine kept busy with one request running and the rest waiting (--saturation-queue 1); it
+    stays saturated until all but one have run, holders - 1 times the ~2.5 s a 1000-token request takes here (two
+    holders left a window short enough for a queued request to be released by the first one's end). `fronts`:
+    gateways whose /metrics must count the engine saturated before the block runs (else it waits 0.3 s for them)."""
     stop = threading.Event()
     threads = [threading.Thread(target=hold_stream, args=(engine, model, stop, 1000)) for _ in range(holders)]
     for t in threads:
         t.start()
     try:
         until(lambda: engine_gauge(engine, "kvfleet_num_requests_waiting") == holders - 1, "never saturated")
-        time.sleep(0.3)  # every gateway has scraped it
+        if fronts:
+            until(lambda: all(sees_saturated(front) for front in fronts), "a gateway never saw the engine saturated")
+        else:
+            time.sleep(0.3)  # every gateway has scraped it
         yield
     finally:
         stop.set()
         for t in threads:
             t.join()
+
+
+def sees_saturated(gateway: str) -> bool:
+    """The gateway's own count of engines by state: every engine it knows is saturated."""
+    text = httpx.get(f"{gateway}/metrics", timeout=5).text
+    return ('kvfleet_gateway_endpoints{state="available"} 0.0' in text
+            and 'kvfleet_gateway_endpoints{state="saturated"} 0.0' not in text)
 
 
 def complete(gateway: str, model: str, prompt: str, max_tokens: int = 8, timeout: float = 60,

@@ -15,8 +15,8 @@ from kvfleet.fleet.headers import DEGRADED, PRIORITY
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.degradation import cap_output, output_cap
 from tests.conftest import one_sequence_engine_fixtures, start_gateway, stop_process
+from tests.test_fault_drills import saturated, until
 from tests.test_gateway_proxy import wait_until_routable
-from tests.test_gateway_queueing import saturated, until
 
 engine, model = one_sequence_engine_fixtures()
 

@@ -18,7 +18,7 @@ from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.redis_keys import key_prefix
 from kvfleet.gateway.model_routes import ModelRoute, ModelTable, fleet_name_for, routes_from_flags
 from tests.conftest import start_engine_servers, start_gateway, stop_process
-from tests.test_gateway_queueing import saturated, until
+from tests.test_fault_drills import saturated, until
 
 # ---- the routes, pure ----------------------------------------------------------------------------------------
 

@@ -1,13 +1,11 @@
 """Saturation, the fleet queue and shedding, end to end: one real engine that runs one sequence at a time, two
-real gateway replicas sharing one real Redis, and clients over HTTP. The engine is held saturated by two long
-requests sent to it directly (one running, one waiting: the gateways' --saturation-queue is 1)."""
+real gateway replicas sharing one real Redis, and clients over HTTP. The engine is held saturated by long
+requests sent to it directly (one running, the rest waiting: the gateways' --saturation-queue is 1)."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -15,7 +13,7 @@ import redis
 
 from kvfleet.fleet.redis_keys import queue_key
 from tests.conftest import one_sequence_engine_fixtures, start_gateway, stop_process
-from tests.test_gateway_live_routing import hold_stream, waiting
+from tests.test_fault_drills import saturated, until
 from tests.test_gateway_proxy import wait_until_routable
 
 FLEET = "queueing"
@@ -43,31 +41,6 @@ def queued(redis_server_module):
     return lambda: client.zcard(queue_key(FLEET))  # the documented key the operator reads
 
 
-@contextlib.contextmanager
-def saturated(engine: str, model: str) -> Iterator[None]:
-    stop = threading.Event()
-    holders = [threading.Thread(target=hold_stream, args=(engine, model, stop)) for _ in range(2)]
-    for t in holders:
-        t.start()
-        time.sleep(0.05)
-    try:
-        until(lambda: waiting(engine) == 1, "the engine never had one request waiting")
-        time.sleep(0.25)  # both gateways have scraped it
-        yield
-    finally:
-        stop.set()
-        for t in holders:
-            t.join()
-
-
-def until(condition, message: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(message)
-        time.sleep(0.02)
-
-
 def send(gateway: str, model: str, priority: str, results: dict, name: str, max_tokens: int = 8,
          timeout: float = 120, **headers: str) -> None:
     try:
@@ -85,7 +58,7 @@ def test_critical_before_standard_across_replicas_sheddable_shed_nobody_lost(eng
     results: dict = {}
     plan = [("s1", a, "standard"), ("s2", b, "standard"), ("c1", b, "critical"), ("c2", a, "critical")]
     threads = []
-    with saturated(engine, model):
+    with saturated(engine, model, fronts=(a, b)):
         for name, gw, priority in plan:
             threads.append(threading.Thread(target=send, args=(gw, model, priority, results, name)))
             threads[-1].start()
@@ -107,7 +80,7 @@ def test_critical_before_standard_across_replicas_sheddable_shed_nobody_lost(eng
 
 def test_the_queue_deadline_answers_503_with_retry_after(engine, model, gateways, queued) -> None:
     results: dict = {}
-    with saturated(engine, model):
+    with saturated(engine, model, fronts=tuple(gateways)):
         started = time.monotonic()
         send(gateways[0], model, "standard", results, "late", **{"x-kvfleet-max-queue-ms": "300"})
         waited = time.monotonic() - started
@@ -120,7 +93,7 @@ def test_the_queue_deadline_answers_503_with_retry_after(engine, model, gateways
 
 def gives_up_and_leaves_the_queue(engine: str, model: str, url: str, queued) -> None:
     results: dict = {}
-    with saturated(engine, model):
+    with saturated(engine, model, fronts=(url,)):
         t = threading.Thread(target=send, args=(url, model, "critical", results, "impatient"),
                              kwargs={"timeout": 1.5})
         t.start()
@@ -154,7 +127,7 @@ def test_a_full_class_queue_answers_429_and_other_classes_still_queue(engine, mo
     results: dict = {}
     threads = [threading.Thread(target=send, args=(gateways[i % 2], model, "standard", results, f"s{i}"))
                for i in range(4)]
-    with saturated(engine, model):
+    with saturated(engine, model, fronts=tuple(gateways)):
         for t in threads:
             t.start()
         until(lambda: queued() == 4, "four standard requests never queued")

@@ -18,8 +18,9 @@ from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.tenant_metrics import OTHER, REFRESH_S, TenantLabels, TenantMetrics
 from kvfleet.gateway.usage import Settlement, Usage, request_cost
 from tests.conftest import one_sequence_engine_fixtures, start_gateway, stop_process
+from tests.test_fault_drills import saturated, until
 from tests.test_gateway_proxy import wait_until_routable
-from tests.test_gateway_queueing import saturated, send, until
+from tests.test_gateway_queueing import send
 
 engine, model = one_sequence_engine_fixtures()
 
