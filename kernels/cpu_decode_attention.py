@@ -11,14 +11,13 @@ raw bits are read as uint16 and widened block by block); the engine keeps the to
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import numba
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
+from kvfleet.kernels.numba_build import compile_kernel
 
 
 def _attend_block(queries, keys, values, count, scores, running_max, denom, acc):  # pragma: no cover - numba
@@ -90,19 +89,10 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out):  # 
                 out[b, h, g, x] = acc[g, x] * inverse
 
 
-def _compile(function, **options):
-    options = {"fastmath": True, "nogil": True, **options}
-    try:
-        return numba.njit(cache=True, **options)(function)
-    except RuntimeError as err:  # no writable place for numba's cache (a read-only image): compile at every start
-        log.info("numba cannot cache %s (%s); it compiles at start instead", function.__name__, err)
-        return numba.njit(**options)(function)
-
-
 # compiled in order: the kernel calls the two helpers by their global names
-_attend_block = _compile(_attend_block, inline="always")
-_widen_bf16 = _compile(_widen_bf16, inline="always")
-_kernel = _compile(_decode_kernel, parallel=True)
+_attend_block = compile_kernel(_attend_block, inline="always")
+_widen_bf16 = compile_kernel(_widen_bf16, inline="always")
+_kernel = compile_kernel(_decode_kernel, parallel=True)
 # numba's default thread pool ("workqueue") must not be entered from two threads at once: engines that share a
 # process take turns.
 _launch = threading.Lock()

@@ -118,6 +118,7 @@ def test_without_a_writable_cache_the_kernel_compiles_at_start(monkeypatch: pyte
     import numba
 
     from kvfleet.kernels import cpu_decode_attention
+    from kvfleet.kernels.numba_build import compile_kernel
 
     real_njit = numba.njit
 
@@ -127,7 +128,7 @@ def test_without_a_writable_cache_the_kernel_compiles_at_start(monkeypatch: pyte
         return real_njit(*args, **options)
 
     monkeypatch.setattr(numba, "njit", njit)
-    kernel = cpu_decode_attention._compile(cpu_decode_attention._decode_kernel, parallel=True)
+    kernel = compile_kernel(cpu_decode_attention._decode_kernel, parallel=True)
     assert type(kernel._cache).__name__ == "NullCache"  # built without an on-disk cache
     q, k_cache, v_cache, tables, seq_lens = decode_case([5], 16, 64, num_kv_heads=1, group=1)
     out = torch.empty_like(q)

@@ -14,6 +14,7 @@ from torch import nn
 
 from kvfleet.engine.attention import AttentionBackend, AttentionMetadata
 from kvfleet.engine.model_config import ModelConfig
+from kvfleet.kernels import cpu_elementwise
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin of a step's positions, [T, 1, head_dim / 2] each
 
@@ -25,7 +26,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_elementwise.applies(x, self.weight):
+            return cpu_elementwise.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(residual + x), residual + x): the residual stream's next value and its normalized form. On CPUs
+        in float32 one fused pass writes the sum into `residual` (the stream is the model's own, never an input)."""
+        if cpu_elementwise.applies(x, residual, self.weight):
+            return cpu_elementwise.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return F.rms_norm(residual, (x.shape[-1],), self.weight, self.eps), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -64,9 +75,18 @@ class LlamaAttention(nn.Module):
         self.backend = backend
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = RotaryEmbedding.rotate(q.view(-1, self.num_heads, self.head_dim), rope)
-        k = RotaryEmbedding.rotate(k.view(-1, self.num_kv_heads, self.head_dim), rope)
+        qkv = self.qkv_proj(x)
+        cos, sin = rope
+        if cpu_elementwise.applies(qkv, cos, sin):  # q's and k's heads rotated in place, one pass
+            cpu_elementwise.rotate_in_place(qkv, cos[:, 0], sin[:, 0], self.num_heads + self.num_kv_heads,
+                                            self.head_dim)
+            q, k, v = qkv.split(self.split, dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split(self.split, dim=-1)
+            q = RotaryEmbedding.rotate(q.view(-1, self.num_heads, self.head_dim), rope)
+            k = RotaryEmbedding.rotate(k.view(-1, self.num_kv_heads, self.head_dim), rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.backend.forward(self.layer, q, k, v, meta))
 
@@ -90,9 +110,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, to be added to the residual stream (None before the first layer, where x
+        is the stream). Returns this layer's output and the stream, as vLLM's layers do: the add of one layer's
+        output is fused with the next norm."""
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(x, residual)
+        normed, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(rope, normed, meta), residual)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -112,11 +140,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat ragged batch of T tokens."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)  # a new tensor: the residual stream may be written in place
         rope = self.rotary.tables(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, meta)
+        return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
