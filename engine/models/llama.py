@@ -77,16 +77,15 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         cos, sin = rope
-        if cpu_elementwise.applies(qkv, cos, sin):  # q's and k's heads rotated in place, one pass
+        in_place = cpu_elementwise.applies(qkv, cos, sin)
+        if in_place:  # q's and k's heads rotated in one pass
             cpu_elementwise.rotate_in_place(qkv, cos[:, 0], sin[:, 0], self.num_heads + self.num_kv_heads,
                                             self.head_dim)
-            q, k, v = qkv.split(self.split, dim=-1)
-            q = q.view(-1, self.num_heads, self.head_dim)
-            k = k.view(-1, self.num_kv_heads, self.head_dim)
-        else:
-            q, k, v = qkv.split(self.split, dim=-1)
-            q = RotaryEmbedding.rotate(q.view(-1, self.num_heads, self.head_dim), rope)
-            k = RotaryEmbedding.rotate(k.view(-1, self.num_kv_heads, self.head_dim), rope)
+        q, k, v = qkv.split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if not in_place:
+            q, k = RotaryEmbedding.rotate(q, rope), RotaryEmbedding.rotate(k, rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.backend.forward(self.layer, q, k, v, meta))
 
