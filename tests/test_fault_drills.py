@@ -291,10 +291,11 @@ def test_a_gateway_replica_killed_while_its_requests_wait_in_redis(engines, mode
         assert all(isinstance(err, httpx.TransportError) or (
             err.status_code == 503 and is_openai_error(err) and "retry-after" in err.headers) for err, _ in lost), lost
         assert all(isinstance(r, httpx.Response) and r.status_code == 200 for (r, _), _ in served), served
-        # released in queue order: the engine's one batch slot and its one waiting place take s0 and s1 together
-        # (their connections may reach it in either order), s2 only once s0 is done
+        # released in queue order: the engine's one batch slot and its one waiting place take s0 and s1 together,
+        # s2 only once one of them is done. Their connections reach the engine in any order, and on a busy machine
+        # s1's can arrive after s2's (a full run saw s0, s2, s1), so only "s2 is not first" is the queue's doing.
         finished_order = sorted(range(3), key=lambda i: served[i][1])
-        assert finished_order[-1] == 2, finished_order
+        assert finished_order[0] != 2, finished_order
         # heartbeat TTL (3 s) plus at most one reconcile interval (2 s), with room for a busy machine
         assert gone_after < 3 + 2 + 3
         assert store.zcard(queue_key(fleet)) == 0

@@ -67,7 +67,10 @@ def test_requests_to_a_dead_engine_are_retried_elsewhere_and_the_engine_is_eject
             assert r.status_code == 200, r.text
             served.append(r.headers["x-kvfleet-engine"])
         assert served == [url_b] * 8
-        metrics = until_metric(url, f'kvfleet_gateway_ejections_total{{endpoint="{url_a}"}} 1.0')
+        until_metric(url, f'kvfleet_gateway_ejections_total{{endpoint="{url_a}"}} 1.0')
+        # every request's own end counted too: behind Envoy an attempt's entry (ejection) and the request's entry
+        # (its retry) can reach the gateway in different flushes
+        metrics = until_metric(url, 'kvfleet_gateway_requests_total{code="200",priority="standard"} 8.0')
         retried = sum(float(line.split()[-1]) for line in metrics.splitlines()
                       if line.startswith("kvfleet_gateway_retries_total"))
         # two failures, then A is ejected and no longer tried; behind Envoy the failures reach the picker in its
