@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -136,3 +137,25 @@ def test_a_long_output_streams_exactly(tokenizer: Tokenizer, chat_prompt: list[i
     detokenizer = IncrementalDetokenizer(tokenizer, chat_prompt)
     streamed = "".join(detokenizer.push([i]) for i in output_ids)
     assert streamed == tokenizer.decode(output_ids)
+
+
+@pytest.mark.parametrize("configured", ["GPT2Tokenizer", None])
+def test_a_model_naming_another_tokenizer_class_tokenizes_the_same(
+        smollm2_dir: Path, tmp_path: Path, tokenizer: Tokenizer, configured: str | None) -> None:
+    """SmolLM2 as the Hub ships it names GPT2Tokenizer, and other directories name none: AutoTokenizer loads those
+    (the generic fast tokenizer is loaded directly only where the directory names it), with the same ids."""
+    target = tmp_path / "hub-model"
+    target.mkdir()
+    for name in ("tokenizer.json", "generation_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_dir / name, target / name)
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    config.pop("tokenizer_class", None)
+    if configured is not None:
+        config["tokenizer_class"] = configured
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    other = Tokenizer(target)
+    messages = [{"role": "user", "content": TRICKY_TEXTS[1]}]
+    assert other.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
+    assert [other.encode(t) for t in TRICKY_TEXTS] == [tokenizer.encode(t) for t in TRICKY_TEXTS]
+    assert (other.vocab_size, other.bos_token_id, other.eos_token_ids) == (
+        tokenizer.vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_ids)
