@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import uvicorn
 
@@ -102,3 +104,14 @@ def serve(config: EngineConfig, host: str, port: int, served_model_name: str | N
     if state.engine is not None:
         state.engine.shutdown()
     return 2 if failure else 0
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends the engine process once serve() has drained and stopped everything: logs and stdio flushed, then
+    os._exit. The interpreter's own teardown of torch's modules took 1.2-1.4 s of each engine's exit here (0.5 s
+    for `import torch` alone) and frees nothing the OS does not; a rolling update waits for it on every pod."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)

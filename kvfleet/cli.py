@@ -56,10 +56,10 @@ def _add_generation_command(sub: argparse._SubParsersAction, name: str, help_tex
 
 def _engine(args: argparse.Namespace) -> int:
     from kvfleet.engine.cli_args import engine_config_from_args
-    from kvfleet.engine.serve import serve
+    from kvfleet.engine.serve import exit_now, serve
 
-    return serve(engine_config_from_args(args), args.host, args.port, args.served_model_name, args.drain_timeout,
-                 args.log_prompts)
+    exit_now(serve(engine_config_from_args(args), args.host, args.port, args.served_model_name, args.drain_timeout,
+                   args.log_prompts))
 
 
 def _add_engine_command(sub: argparse._SubParsersAction) -> None:
