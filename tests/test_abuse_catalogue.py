@@ -20,7 +20,9 @@ def fleet(tiny_model_dir):
     # a context long enough that the abandoned 2,000-token answer would keep an engine busy for many seconds
     flags = ("--max-num-seqs", "8", "--max-model-len", "2048", "--kv-cache-memory", "32MiB")
     engines = start_engine_servers(tiny_model_dir, flags, flags)
-    gateway, url = start_gateway(*(flag for _, e in engines for flag in ("--engine", e)))
+    # a 2 s header timeout so that the slowloris is cut off in seconds: the mechanism is the same at the default
+    # 15 s (kvfleet/fleet/http_limits.py), which the catalogue's own run against `kvfleet up` (bench/abuse.py) keeps
+    gateway, url = start_gateway(*(flag for _, e in engines for flag in ("--engine", e)), "--header-timeout", "2")
     model = httpx.get(engines[0][1] + "/v1/models", timeout=5).json()["data"][0]["id"]
     target = Target(url, model, [e for _, e in engines])
     alone = run_victims(url, model)

@@ -70,7 +70,7 @@ def test_no_first_token_before_the_first_pod_is_ready() -> None:
 
 def test_same_seed_same_run_other_seed_other_trace() -> None:
     def run(seed: int) -> dict:
-        return simulate(bursty_trace(seed=seed, duration_s=1200, bursts=2, idle=(200, 400)),
+        return simulate(bursty_trace(seed=seed, duration_s=600, bursts=1, idle=(100, 200)),
                         KvfleetPolicy(AutoscalingPolicy(max_replicas=16))).summary()
 
     assert bursty_trace(seed=5) == bursty_trace(seed=5)
