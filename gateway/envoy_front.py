@@ -50,15 +50,27 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(count: int, listen_port: int) -> list[int]:
+    """`count` distinct loopback ports free now, none of them Envoy's listen_port: that one is not bound until Envoy
+    starts, so the OS may offer it, and the internal app on it would answer /ready while Envoy fails to bind."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:  # each socket stays bound until all are chosen, so no port comes twice
+            s = socket.socket()
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            if (port := s.getsockname()[1]) != listen_port:
+                ports.append(port)
+        return ports
+    finally:
+        for s in held:
+            s.close()
 
 
 async def serve_with_envoy(gateway: Gateway, host: str, port: int, drain_timeout: float) -> int:
     config = gateway.config
-    app_port, picker_port, admin_port = _free_port(), _free_port(), _free_port()
+    app_port, picker_port, admin_port = _free_ports(3, port)
     server = uvicorn.Server(server_config(build_app(gateway), "127.0.0.1", app_port, drain_timeout,
                                           config.http_limits, backlog=4096))
     serving = asyncio.create_task(server.serve())

@@ -12,10 +12,30 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from kvfleet.gateway import envoy_front
 from kvfleet.gateway.envoy_config import PICKER_MESSAGE_TIMEOUT_S
 from tests.conftest import start_engine_servers, start_gateway, stop_process
 from tests.test_fault_drills import LONG, complete, saturated, until
 from tests.test_gateway_proxy import wait_until_routable
+
+
+def test_the_internal_ports_are_distinct_and_never_the_port_envoy_is_to_listen_on(monkeypatch) -> None:
+    """Envoy's own port is not bound until Envoy starts, so the OS may offer it for the gateway's internal app: the
+    app then answered /ready on it while Envoy failed to bind (a full run saw it) and the gateway exited."""
+    offered = iter([5000, 5001, 5000, 5002])  # the OS offering Envoy's port (5000) first, and again
+
+    class Socket:
+        def bind(self, address: tuple[str, int]) -> None:
+            self.port = next(offered)
+
+        def getsockname(self) -> tuple[str, int]:
+            return "127.0.0.1", self.port
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(envoy_front.socket, "socket", Socket)
+    assert envoy_front._free_ports(2, 5000) == [5001, 5002]
 
 
 @pytest.fixture(scope="module")
