@@ -8,6 +8,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
+from typing import NoReturn
 
 from kvfleet import __version__
 from kvfleet.fleet.engine_settings import DEFAULT_MODEL
@@ -54,7 +55,7 @@ def _add_generation_command(sub: argparse._SubParsersAction, name: str, help_tex
     p.set_defaults(func=_chat)
 
 
-def _engine(args: argparse.Namespace) -> int:
+def _engine(args: argparse.Namespace) -> NoReturn:
     from kvfleet.engine.cli_args import engine_config_from_args
     from kvfleet.engine.serve import exit_now, serve
 
