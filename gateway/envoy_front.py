@@ -10,7 +10,6 @@ import ctypes
 import json
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from kvfleet.fleet.http_server import server_config
+from kvfleet.fleet.ports import free_ports
 from kvfleet.gateway.app import Gateway, build_app
 from kvfleet.gateway.envoy_config import build_bootstrap
 from kvfleet.gateway.envoy_endpoints import EndpointsFile
@@ -50,27 +50,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _free_ports(count: int, listen_port: int) -> list[int]:
-    """`count` distinct loopback ports free now, none of them Envoy's listen_port: that one is not bound until Envoy
-    starts, so the OS may offer it, and the internal app on it would answer /ready while Envoy fails to bind."""
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < count:  # each socket stays bound until all are chosen, so no port comes twice
-            s = socket.socket()
-            held.append(s)
-            s.bind(("127.0.0.1", 0))
-            if (port := s.getsockname()[1]) != listen_port:
-                ports.append(port)
-        return ports
-    finally:
-        for s in held:
-            s.close()
-
-
 async def serve_with_envoy(gateway: Gateway, host: str, port: int, drain_timeout: float) -> int:
     config = gateway.config
-    app_port, picker_port, admin_port = _free_ports(3, port)
+    # never Envoy's own port: not bound until Envoy starts, the OS may offer it, and the internal app on it would
+    # answer /ready while Envoy fails to bind
+    app_port, picker_port, admin_port = free_ports(3, avoid={port})
     server = uvicorn.Server(server_config(build_app(gateway), "127.0.0.1", app_port, drain_timeout,
                                           config.http_limits, backlog=4096))
     serving = asyncio.create_task(server.serve())

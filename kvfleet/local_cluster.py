@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet.fleet.engine_settings import DEFAULT_MODEL, LOCAL_CLUSTER
+from kvfleet.fleet.ports import free_ports
 from kvfleet.kube_emulator import KubeEmulator
 from kvfleet.local_fleet import ENGINE_API_KEY_ENV, engine_env, port_is_free, run_until_signal
 from kvfleet.local_kubelet import LocalKubelet
@@ -35,7 +36,7 @@ from kvfleet.operator.fleet_spec import (
     InvalidSpec,
     parse_fleet,
 )
-from kvfleet.redis_server import RedisServer, free_port
+from kvfleet.redis_server import RedisServer
 from kvfleet.supervisor import Child, Supervisor, http_ok, kvfleet_command
 
 ENGINE_AUTH_SECRET = "kvfleet-engine-auth"  # as the chart's <release>-kvfleet-engine-auth
@@ -152,9 +153,10 @@ class LocalCluster:
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         self.create_token_secret(s.namespace)
         # Cluster-wide: with --namespace, kopf lists /api/v1/namespaces, which KMock 0.8 cannot serve.
+        metrics_port, liveness_port = free_ports(2)  # chosen together: never the same one twice
         self.operator = self._spawn("operator", ["operator", "--redis-url", self.redis.url, "--autoscale-interval",
-                                                 str(s.autoscale_interval_s), "--metrics-port", str(free_port()),
-                                                 "--liveness", f"http://127.0.0.1:{free_port()}/healthz",
+                                                 str(s.autoscale_interval_s), "--metrics-port", str(metrics_port),
+                                                 "--liveness", f"http://127.0.0.1:{liveness_port}/healthz",
                                                  "--engine-api-key-secret", ENGINE_AUTH_SECRET], env)
         self.kubelet = LocalKubelet(self.emulator.api_client(), s.namespace, self.run_dir, env).start()
         self.apply_fleet(fleet)

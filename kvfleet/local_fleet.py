@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet.fleet.engine_settings import LOCAL_FLEET, EngineSettings
+from kvfleet.fleet.ports import free_ports
 from kvfleet.gateway.model_routes import check_model_name
-from kvfleet.redis_server import RedisServer, free_port
+from kvfleet.redis_server import RedisServer
 from kvfleet.supervisor import Child, Supervisor, kvfleet_command
 
 # The engines' shared token (issue 13): `kvfleet engine --api-key` and `kvfleet gateway --engine-api-key` read it.
@@ -118,9 +119,10 @@ class LocalFleet:
         env = engine_env(dict(os.environ), self.engine_api_key)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_engine(s.engines * len(s.models))))
         served: list[tuple[str, Child]] = []
+        ports = iter(free_ports(s.engines * len(model_dirs), avoid={s.port}))  # together, none twice, not the gateway's
         for m, (model, model_dir) in enumerate(model_dirs.items()):
             for i in range(s.engines):
-                port = free_port()
+                port = next(ports)
                 settings = EngineSettings(model=str(model_dir), max_model_len=s.max_model_len,
                                           kv_cache_memory=s.kv_cache_memory, max_num_seqs=s.max_num_seqs)
                 args = ["engine", *settings.to_args(), "--served-model-name", model, "--host", "127.0.0.1",

@@ -7,6 +7,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+from kvfleet.fleet.ports import free_ports
 from kvfleet.supervisor import Child, ChildExited, NotReady, spawn
 
 
@@ -31,9 +32,7 @@ def redis_server_binary() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 class RedisServer:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from kvfleet.gateway import envoy_front
+from kvfleet.fleet import ports
 from kvfleet.gateway.envoy_config import PICKER_MESSAGE_TIMEOUT_S
 from tests.conftest import start_engine_servers, start_gateway, stop_process
 from tests.test_fault_drills import LONG, complete, saturated, until
@@ -34,8 +34,8 @@ def test_the_internal_ports_are_distinct_and_never_the_port_envoy_is_to_listen_o
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(envoy_front.socket, "socket", Socket)
-    assert envoy_front._free_ports(2, 5000) == [5001, 5002]
+    monkeypatch.setattr(ports.socket, "socket", Socket)
+    assert ports.free_ports(2, avoid={5000}) == [5001, 5002]
 
 
 @pytest.fixture(scope="module")
