@@ -44,11 +44,9 @@ def tiny_engine(tiny_model_dir: Path):
 
 
 def free_port() -> int:
-    import socket
+    from kvfleet.fleet.ports import free_ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _launch(args: list[str], port: int, what: str):
@@ -113,9 +111,10 @@ def one_sequence_engine_fixtures():
 
 def start_engine_servers(model_dir: Path, *extras: tuple[str, ...], timeout: float = 180.0):
     """Several engines started side by side (they load at the same time); returns [(process, URL), ...]."""
+    from kvfleet.fleet.ports import free_ports
+
     started = []
-    for extra in extras:
-        port = free_port()
+    for extra, port in zip(extras, free_ports(len(extras)), strict=True):  # chosen together: none twice
         started.append(_launch(_engine_args(model_dir, port, extra), port, "engine"))
     for proc in started:
         _wait_ready(proc, timeout)
