@@ -14,9 +14,16 @@ import torch
 from kvfleet.kernels.numba_build import compile_kernel
 
 
-def _add_rms_norm(x, residual, weight, eps, out):  # pragma: no cover - compiled by numba
-    """residual += x, then out = weight * residual / sqrt(mean(residual ** 2) + eps), row by row (HF's order: the
+def _normalize_row(values, squares, weight, eps, out):  # pragma: no cover - compiled by numba
+    """out = weight * values / sqrt(mean(values ** 2) + eps) for one row whose squares are summed (HF's order: the
     normalized row, then the weight)."""
+    scale = np.float32(1.0) / np.sqrt(squares / np.float32(values.shape[0]) + eps)
+    for j in range(values.shape[0]):
+        out[j] = weight[j] * (values[j] * scale)
+
+
+def _add_rms_norm(x, residual, weight, eps, out):  # pragma: no cover - compiled by numba
+    """residual += x, then each row of out is RMSNorm(residual)."""
     rows, size = x.shape
     for i in range(rows):
         squares = np.float32(0.0)
@@ -24,9 +31,7 @@ def _add_rms_norm(x, residual, weight, eps, out):  # pragma: no cover - compiled
             total = residual[i, j] + x[i, j]
             residual[i, j] = total
             squares += total * total
-        scale = np.float32(1.0) / np.sqrt(squares / np.float32(size) + eps)
-        for j in range(size):
-            out[i, j] = weight[j] * (residual[i, j] * scale)
+        _normalize_row(residual[i], squares, weight, eps, out[i])
 
 
 def _rms_norm(x, weight, eps, out):  # pragma: no cover - compiled by numba
@@ -35,9 +40,7 @@ def _rms_norm(x, weight, eps, out):  # pragma: no cover - compiled by numba
         squares = np.float32(0.0)
         for j in range(size):
             squares += x[i, j] * x[i, j]
-        scale = np.float32(1.0) / np.sqrt(squares / np.float32(size) + eps)
-        for j in range(size):
-            out[i, j] = weight[j] * (x[i, j] * scale)
+        _normalize_row(x[i], squares, weight, eps, out[i])
 
 
 def _rotate(qkv, cos, sin, heads, head_dim):  # pragma: no cover - compiled by numba
@@ -53,6 +56,8 @@ def _rotate(qkv, cos, sin, heads, head_dim):  # pragma: no cover - compiled by n
                 qkv[i, first + half + j] = x2 * cos[i, j] + x1 * sin[i, j]
 
 
+# compiled in order: the norms call the helper by its global name
+_normalize_row = compile_kernel(_normalize_row, inline="always")
 _add_rms_norm = compile_kernel(_add_rms_norm)
 _rms_norm = compile_kernel(_rms_norm)
 _rotate = compile_kernel(_rotate)

@@ -12,6 +12,7 @@ import pytest
 os.environ["TRITON_INTERPRET"] = "1"
 
 from kvfleet.engine.model_files import DEFAULT_MODEL, resolve_model  # noqa: E402
+from kvfleet.fleet.ports import free_ports  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +45,6 @@ def tiny_engine(tiny_model_dir: Path):
 
 
 def free_port() -> int:
-    from kvfleet.fleet.ports import free_ports
-
     return free_ports(1)[0]
 
 
@@ -111,8 +110,6 @@ def one_sequence_engine_fixtures():
 
 def start_engine_servers(model_dir: Path, *extras: tuple[str, ...], timeout: float = 180.0):
     """Several engines started side by side (they load at the same time); returns [(process, URL), ...]."""
-    from kvfleet.fleet.ports import free_ports
-
     started = []
     for extra, port in zip(extras, free_ports(len(extras)), strict=True):  # chosen together: none twice
         started.append(_launch(_engine_args(model_dir, port, extra), port, "engine"))
