@@ -182,8 +182,8 @@ def main() -> int:
     if args.url:
         target, pids = Target(args.url, args.model, args.engine), args.pid
     else:
+        from kvfleet.fleet.ports import free_port
         from kvfleet.local_fleet import FleetSpec, LocalFleet
-        from kvfleet.redis_server import free_port
 
         fleet = LocalFleet(FleetSpec(engines=args.engines, model=args.model, port=free_port()))
         fleet.start()

@@ -129,8 +129,8 @@ def fleet_manifest(max_replicas: int) -> dict:
 
 
 def start_cluster(max_replicas: int, interval_s: float):
+    from kvfleet.fleet.ports import free_port
     from kvfleet.local_cluster import ClusterSpec, LocalCluster
-    from kvfleet.redis_server import free_port
 
     cluster = LocalCluster(ClusterSpec(fleet_manifest(max_replicas), namespace=NAMESPACE, port=free_port(),
                                        autoscale_interval_s=interval_s))

@@ -35,7 +35,7 @@ from bench.fleet_procs import MODEL_NAME, BenchFleet
 from bench.prefix_client import closed_loop, run_plan
 from bench.prefix_report import chart, format_table, knee_throughput, pooled, ratios, summarize_arm
 from bench.prefix_workload import WORKLOADS, first_of_key_share, plan
-from kvfleet.redis_server import free_port
+from kvfleet.fleet.ports import free_port
 from kvfleet.supervisor import Child, ChildExited, NotReady
 from kvfleet.supervisor import spawn as spawn_child
 

