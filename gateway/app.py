@@ -172,6 +172,7 @@ class Gateway:
         total = await self.queue.refresh_counts()
         for p, n in self.queue.counts().items():
             self.metrics.queue_depth.labels(p.value).set(n)
+        self.metrics.queue_drain_rate.set(self.queue.drain_rate_per_s() or 0.0)
         if total == 0:
             return
         slots = free_slots(self.pool.snapshots(), self.config.saturation)

@@ -16,6 +16,10 @@ class GatewayMetrics:
                                 ["priority", "code"], registry=r)
         self.queue_depth = Gauge("kvfleet_gateway_queue_depth", "Requests waiting in the fleet queue, by class",
                                  ["priority"], registry=r)
+        self.queue_drain_rate = Gauge("kvfleet_gateway_queue_drain_rate",
+                                      "Requests the fleet queue released per second over the last 10 s, fleet-wide: "
+                                      "the rate deadline refusals and Retry-After are computed from (0: too few "
+                                      "releases to tell)", registry=r)
         self.queue_wait = Histogram("kvfleet_gateway_queue_wait_seconds", "Time requests waited in the fleet queue",
                                     ["priority"], buckets=LATENCY_BUCKETS, registry=r)
         self.shed = Counter("kvfleet_gateway_shed", "Requests refused without reaching an engine",

