@@ -24,6 +24,7 @@ import httpx
 
 from bench.abuse_catalogue import CATALOGUE, Attack, Outcome, Target
 from bench.fleet_procs import children
+from kvfleet.loadgen import SSE_DONE, sse_data
 
 VICTIM_PROMPTS = ["Name three rivers in Europe.", "What is a prime number?", "Describe a cat in one sentence.",
                   "Count from one to five."]
@@ -69,9 +70,9 @@ def victim(url: str, model: str, prompt: str, stream: bool) -> Victim:
             if r.status_code != 200:
                 return Victim(r.status_code, "", None, r.read().decode()[:200])
             for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                if (data := sse_data(line)) in (None, SSE_DONE):
                     continue
-                event = json.loads(line[6:])
+                event = json.loads(data)
                 if "error" in event:
                     error = event["error"].get("message", "error")
                     continue

@@ -42,6 +42,7 @@ from kvfleet.fleet.engine_settings import DEFAULT_MODEL, LOCAL_CLUSTER
 from kvfleet.fleet.headers import PRIORITY
 from kvfleet.fleet.slo import DEFAULT_SLO_CLASSES
 from kvfleet.gateway.config import DEFAULT_CAPS
+from kvfleet.loadgen import SSE_DONE, sse_data
 from kvfleet.operator.autoscaler import AutoscalingPolicy
 from kvfleet.operator.manifests import deployment_name
 
@@ -94,9 +95,9 @@ async def chat(http: httpx.AsyncClient, url: str, row: dict, overhead: int, rng:
                                headers={PRIORITY: row["priority"]}) as r:
             out["status"] = r.status_code
             async for line in r.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                if (data := sse_data(line)) in (None, SSE_DONE):
                     continue
-                chunk = json.loads(line[5:])
+                chunk = json.loads(data)
                 if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
                     out["tokens"] += 1
                     if out["ttft_s"] is None:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from kvfleet.fleet.engine_settings import BENCH, EngineSettings
 from kvfleet.fleet.load import parse_engine_load
-from kvfleet.redis_server import RedisServer, free_port
+from kvfleet.fleet.ports import free_port
+from kvfleet.redis_server import RedisServer
 from kvfleet.supervisor import Child, kvfleet_command, stop_together
 from kvfleet.supervisor import spawn as spawn_child
 

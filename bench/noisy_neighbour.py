@@ -44,9 +44,9 @@ from bench.fair_order_check import order_phase
 from bench.fleet_procs import MODEL_NAME, BenchFleet, spawn, wait_for
 from kvfleet.bench_report import percentile
 from kvfleet.fleet import headers
+from kvfleet.fleet.ports import free_port
 from kvfleet.fleet.priority import Priority
 from kvfleet.loadgen import LoadSpec, arrival_times, make_prompts
-from kvfleet.redis_server import free_port
 from kvfleet.supervisor import Child, stop_together
 
 LOST_AFTER_QUEUE_S = 120.0  # a request's timeout: the queue deadline plus this, so a hang shows as "lost"

@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfleet.redis_server import free_port
+from kvfleet.fleet.ports import free_port
 from kvfleet.supervisor import Child
 from kvfleet.supervisor import spawn as spawn_child
 

@@ -12,7 +12,7 @@ import httpx
 from bench.prefix_workload import PlannedChat
 from kvfleet.fleet import metrics as names
 from kvfleet.fleet.headers import ENGINE as ENGINE_HEADER
-from kvfleet.loadgen import RequestRecord
+from kvfleet.loadgen import SSE_DONE, RequestRecord, sse_data
 
 COUNTERS = {"hits": f"{names.PREFIX_CACHE_HITS}_total", "queries": f"{names.PREFIX_CACHE_QUERIES}_total",
             "requests": f"{names.E2E_REQUEST_LATENCY}_count", "prompt_tokens": f"{names.PROMPT_TOKENS}_total"}
@@ -51,10 +51,10 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, record: R
         async for line in response.aiter_lines():
             if len(line) > MAX_LINE:
                 raise ValueError(f"an SSE line of {len(line)} characters")
-            if not line.startswith("data:"):
+            data = sse_data(line)
+            if data is None:
                 continue
-            data = line[5:].strip()
-            if data == "[DONE]":
+            if data == SSE_DONE:
                 done = True
                 break
             event = json.loads(data)

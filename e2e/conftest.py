@@ -51,8 +51,8 @@ def target():
         yield Target(url.rstrip("/"), namespace, fleet, os.environ.get("KUBECONFIG"), model,
                      bool(os.environ.get("KVFLEET_E2E_KIND")))
         return
+    from kvfleet.fleet.ports import free_port
     from kvfleet.local_cluster import ClusterSpec, LocalCluster, default_fleet
-    from kvfleet.redis_server import free_port
 
     cluster = LocalCluster(ClusterSpec(default_fleet(fleet, model), namespace=namespace, port=free_port(),
                                        autoscale_interval_s=2.0))

@@ -233,6 +233,14 @@ def _chunk_text(event: dict) -> str:
     return (choices[0].get("delta") or {}).get("content") or choices[0].get("text") or ""
 
 
+SSE_DONE = "[DONE]"  # the data of an OpenAI stream's last event
+
+
+def sse_data(line: str) -> str | None:
+    """The data of a server-sent event's `data:` line (an event's JSON, or SSE_DONE); None for any other line."""
+    return line[5:].strip() if line.startswith("data:") else None
+
+
 async def _stream(client: httpx.AsyncClient, spec: LoadSpec, model: str, req: PlannedRequest,
                   record: RequestRecord, started: float) -> None:
     """Send one request and fill `record` as its response streams in."""
@@ -246,10 +254,10 @@ async def _stream(client: httpx.AsyncClient, spec: LoadSpec, model: str, req: Pl
             return
         chunks, usage_tokens, done = 0, None, False
         async for line in response.aiter_lines():
-            if not line.startswith("data:"):
+            data = sse_data(line)
+            if data is None:
                 continue
-            data = line[5:].strip()
-            if data == "[DONE]":
+            if data == SSE_DONE:
                 done = True
                 break
             event = json.loads(data)
