@@ -26,12 +26,12 @@ from envoy.service.accesslog.v3 import als_pb2
 
 from bench.fleet_procs import MODEL_NAME, BenchFleet
 from bench.picker_cpu import Cpu, closed_loop, idle_rate
-from kvfleet.gateway.endpoints import EndpointPool
-from kvfleet.gateway.envoy_config import ENGINES_CLUSTER
-from kvfleet.gateway.envoy_feed import EnvoyFeed
-from kvfleet.gateway.envoy_lua import USAGE_NAMESPACE
+from kvfleet.gateway.engines.pool import EndpointPool
+from kvfleet.gateway.envoy.bootstrap import ENGINES_CLUSTER
+from kvfleet.gateway.envoy.feed import EnvoyFeed
+from kvfleet.gateway.envoy.lua import USAGE_NAMESPACE
+from kvfleet.gateway.limits.usage import Cost, Settlement
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.usage import Cost, Settlement
 
 PLAIN_KEY, TPM_KEY = "sk-bench-plain-" + "p" * 16, "sk-bench-tpm-" + "t" * 16
 

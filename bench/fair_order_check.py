@@ -43,7 +43,7 @@ def order_script(seed: int = 0, steps: int = 60) -> list[tuple[str, object]]:
 async def fleet_queue_order(redis_url: str, fleet: str, replicas: int, script: list) -> list[int]:
     """The script through `replicas` FleetQueues sharing Redis, alternating which one acts; script indices in
     release order."""
-    from kvfleet.gateway.fleet_queue import FleetQueue
+    from kvfleet.gateway.queue.fleet import FleetQueue
 
     caps = {p: 1 << 30 for p in Priority}
     queues = [FleetQueue(redis_url, fleet, f"{fleet}-r{i}", aging_ms=10_000.0, caps=caps) for i in range(replicas)]
@@ -67,8 +67,8 @@ async def fleet_queue_order(redis_url: str, fleet: str, replicas: int, script: l
 
 def in_process_order(script: list) -> list[int]:
     """The same script through the in-process policy (fair_order.py), which the Redis scripts mirror."""
-    from kvfleet.gateway.local_queue import LocalQueue
-    from kvfleet.gateway.queue_order import QueueEntry
+    from kvfleet.gateway.queue.local import LocalQueue
+    from kvfleet.gateway.queue.order import QueueEntry
 
     queue, order = LocalQueue("fair"), []
     for step, (op, arg) in enumerate(script):

@@ -28,7 +28,7 @@ from bench.fleet_procs import MODEL_NAME, BenchFleet, cpu_used
 from bench.loop_lag import describe_lag, with_loop_lag
 from bench.plotting import finish, pyplot
 from kvfleet.bench_report import summarize
-from kvfleet.gateway.strategies import STRATEGIES
+from kvfleet.gateway.routing.strategies import STRATEGIES
 from kvfleet.loadgen import LoadSpec, run_load
 
 DEFAULT_STRATEGIES = ("round-robin", "least-request", "kvfleet")

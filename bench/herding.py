@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from bench.fleet_procs import MODEL_NAME, BenchFleet, model_dir
-from kvfleet.gateway.strategies import PREFIX_STRATEGIES
+from kvfleet.gateway.routing.strategies import PREFIX_STRATEGIES
 
 WINDOW_S = 0.1
 WORDS = ("amber", "basil", "cedar", "delta", "ember", "fjord", "glade", "harbor", "iris", "juniper", "kelp", "lumen")

@@ -99,7 +99,7 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_batch_size = 0  # sequences in the latest step, for the batch-size metric
-        # What a gateway needs to estimate a new request's time to first token (gateway/routing.py EstimatedTTFT):
+        # What a gateway needs to estimate a new request's time to first token (gateway/routing/pick.py EstimatedTTFT):
         # prompt tokens still to compute, and how fast steps have been computing them. Written by the engine thread.
         self.prefill_tokens_pending = 0
         self.prefill_rate = 0.0

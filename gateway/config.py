@@ -10,14 +10,14 @@ from kvfleet.fleet.engine_settings import ENGINE_API_KEY_ENV
 from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
-from kvfleet.gateway.fair_order import QUEUE_POLICIES
-from kvfleet.gateway.model_routes import ModelRoute
-from kvfleet.gateway.routing import SaturationPolicy, ScoreWeights
-from kvfleet.gateway.strategies import STRATEGIES
+from kvfleet.gateway.models.routes import ModelRoute
+from kvfleet.gateway.queue.fair_order import QUEUE_POLICIES
+from kvfleet.gateway.routing.pick import SaturationPolicy, ScoreWeights
+from kvfleet.gateway.routing.strategies import STRATEGIES
 
 ROUTING_STRATEGIES = tuple(STRATEGIES)  # the routing registry's names, in its order
 # python: this process proxies; envoy: it runs Envoy as its child; envoy-sidecar: an Envoy beside it (the chart's
-# sidecar, bootstrap from gateway/envoy_sidecar.py) calls its picker; picker: an Inference-Extension Gateway's does
+# sidecar, bootstrap from gateway/envoy/sidecar.py) calls its picker; picker: an Inference-Extension Gateway's does
 DATA_PLANES = ("python", "envoy", "envoy-sidecar", "picker")
 DEFAULT_PICKER_PORT = 9002  # the Gateway API Inference Extension's endpoint picker (EPP) port
 DEFAULT_CAPS = {Priority.CRITICAL: 1000, Priority.STANDARD: 1000, Priority.SHEDDABLE: 100}
@@ -27,12 +27,13 @@ MAX_TENANT_METRICS_TOP = 1000  # tenants named in the per-tenant metrics: each a
 @dataclass
 class GatewayConfig:
     engines: list[str] = field(default_factory=list)  # static discovery
-    # several models, each its own fleet (gateway/model_front.py); empty: one fleet, from engines or k8s_selector
+    # several models, each its own fleet (gateway/models/front.py); empty: one fleet, from engines or k8s_selector
     models: list[ModelRoute] = field(default_factory=list)
     k8s_namespace: str | None = None  # Kubernetes discovery (with k8s_selector)
     k8s_selector: str | None = None
     k8s_port_name: str = ENGINE_PORT_NAME
-    # several models from Kubernetes: the InferenceFleets a label selector picks, or those named (fleet_routes.py)
+    # several models from Kubernetes: the InferenceFleets a label selector picks, or those named
+    # (models/inference_fleets.py)
     k8s_fleet_selector: str | None = None
     k8s_fleets: list[str] = field(default_factory=list)
     fleet: str = "default"
@@ -82,7 +83,7 @@ class GatewayConfig:
         return bool(self.models or self.k8s_fleets) or self.k8s_fleet_selector is not None
 
     def __post_init__(self) -> None:
-        from kvfleet.gateway.discovery import normalize_engine_url
+        from kvfleet.gateway.engines.discovery import normalize_engine_url
 
         self.engines = [normalize_engine_url(url) for url in self.engines]
         fleets_from_k8s = self.k8s_fleet_selector is not None or bool(self.k8s_fleets)

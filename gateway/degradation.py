@@ -1,7 +1,7 @@
 """The degradation ladder, pure. Its first rung: while the fleet is saturated (a request arriving would wait, or
 passes only by the critical-first rule), a request of a class given a cap has its output allowance lowered to it,
 so every answer in the batch ends sooner and the queue drains faster. Its second: a request its client (or key)
-lets fall back goes to its model's fallback model while that one has room (gateway/model_front.py). The answer says
+lets fall back goes to its model's fallback model while that one has room (gateway/models/front.py). The answer says
 which in `x-kvfleet-degraded`. The last rung is shedding (admission.py). Nothing changes while the fleet has room."""
 
 from __future__ import annotations

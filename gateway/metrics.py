@@ -50,7 +50,7 @@ class GatewayMetrics:
         self.redis_up = Gauge("kvfleet_gateway_redis_up",
                               "1 while the fleet queue is in Redis, 0 while this replica queues in-process",
                               registry=r)
-        # Per tenant: the top N tenants by traffic by name, the rest "other" (gateway/tenant_metrics.py).
+        # Per tenant: the top N tenants by traffic by name, the rest "other" (gateway/limits/tenant_metrics.py).
         self.tenant_queued = Gauge("kvfleet_gateway_tenant_queued", "This replica's requests waiting in the fleet "
                                    "queue, by tenant", ["tenant"], registry=r)
         self.tenant_served_tokens = Counter("kvfleet_gateway_tenant_served_tokens", "Tokens (prompt + completion) "

@@ -1,6 +1,6 @@
 """Forwarding to an engine: pick, send, retry once elsewhere before the first byte, relay streams unbuffered.
 
-Only the engine's faults (failure_class.py) are retried and counted toward ejection; every wait on an engine is
+Only the engine's faults (engines/failure_class.py) are retried and counted toward ejection; every wait on an engine is
 bounded (first byte, then each gap between chunks), so an engine that stops answering cannot hang a client.
 """
 
@@ -22,13 +22,13 @@ from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.headers import AUTHORIZATION, REQUEST_ID, RETRY_AFTER
 from kvfleet.fleet.headers import ENGINE as ENGINE_HEADER
 from kvfleet.gateway.config import GatewayConfig
-from kvfleet.gateway.endpoints import EndpointPool, nothing_counted
-from kvfleet.gateway.failure_class import AnswerClass, classify
+from kvfleet.gateway.engines.failure_class import AnswerClass, classify
+from kvfleet.gateway.engines.pool import EndpointPool, nothing_counted
+from kvfleet.gateway.limits.usage import Settlement, StreamUsageMeter, answer_usage
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys
-from kvfleet.gateway.routing import RoutingContext, pick
-from kvfleet.gateway.strategies import strategy_named
-from kvfleet.gateway.usage import Settlement, StreamUsageMeter, answer_usage
+from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
+from kvfleet.gateway.routing.pick import RoutingContext, pick
+from kvfleet.gateway.routing.strategies import strategy_named
 
 log = logging.getLogger(__name__)
 

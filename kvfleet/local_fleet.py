@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvfleet.fleet.engine_settings import LOCAL_FLEET, EngineSettings
 from kvfleet.fleet.ports import free_ports
-from kvfleet.gateway.model_routes import check_model_name
+from kvfleet.gateway.models.routes import check_model_name
 from kvfleet.redis_server import RedisServer
 from kvfleet.supervisor import Child, Supervisor, kvfleet_command
 

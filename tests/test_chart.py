@@ -506,7 +506,7 @@ OPERATOR_NEEDS = {  # operator/handlers.py, operator/observe.py, and kopf (watch
     ("", "events"): {"create"},
 }
 KOPF_SCANNING = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}
-GATEWAY_NEEDS = {("", "pods"): {"list", "watch"}}  # gateway/discovery.py: list + watch
+GATEWAY_NEEDS = {("", "pods"): {"list", "watch"}}  # gateway/engines/discovery.py: list + watch
 
 
 def grants(role: dict) -> dict[tuple[str, str], set[str]]:

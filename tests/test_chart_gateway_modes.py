@@ -18,9 +18,9 @@ import yaml
 
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.gateway.cli_args import gateway_config_from_args
-from kvfleet.gateway.envoy_config import APP_CLUSTER, ENGINES_CLUSTER, GENERATION_PATHS, PICKER_CLUSTER
-from kvfleet.gateway.envoy_front import envoy_binary
-from kvfleet.gateway.envoy_sidecar import build_parser as sidecar_parser
+from kvfleet.gateway.envoy.bootstrap import APP_CLUSTER, ENGINES_CLUSTER, GENERATION_PATHS, PICKER_CLUSTER
+from kvfleet.gateway.envoy.front import envoy_binary
+from kvfleet.gateway.envoy.sidecar import build_parser as sidecar_parser
 from tests.test_chart import (
     CHART,
     NAMESPACE,
@@ -74,7 +74,7 @@ def test_the_init_container_writes_from_the_gateways_own_flags(tmp_path: Path) -
     init, gateway, envoy = named(spec, "envoy-bootstrap", "initContainers"), named(spec, "gateway"), named(spec,
                                                                                                             "envoy")
     gateway_args, _ = parse_cli(gateway)
-    assert init["command"] == ["python", "-m", "kvfleet.gateway.envoy_sidecar"]
+    assert init["command"] == ["python", "-m", "kvfleet.gateway.envoy.sidecar"]
     init_args = sidecar_parser().parse_args(init["args"])
     # one source: the same flags make the same settings, which Envoy's limits and ports come from
     without_redis = gateway_config_from_args(gateway_args)
@@ -98,7 +98,7 @@ def test_the_init_container_writes_from_the_gateways_own_flags(tmp_path: Path) -
     def moved(arg: str) -> str:
         return arg.replace(str(folder), str(tmp_path))
 
-    written = subprocess.run([sys.executable, "-m", "kvfleet.gateway.envoy_sidecar", *map(moved, init["args"])],
+    written = subprocess.run([sys.executable, "-m", "kvfleet.gateway.envoy.sidecar", *map(moved, init["args"])],
                              capture_output=True, text=True, timeout=60)
     assert written.returncode == 0, written.stderr
     bootstrap = yaml.safe_load((tmp_path / "envoy.json").read_text())

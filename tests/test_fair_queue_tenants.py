@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvfleet.fleet.errors import APIError
-from kvfleet.gateway.access import Tenant, request_tenant
-from kvfleet.gateway.auth import ApiKeyStore
+from kvfleet.gateway.limits.access import Tenant, request_tenant
+from kvfleet.gateway.limits.keys import ApiKeyStore
 
 
 def keys_file(tmp_path: Path, text: str) -> Path:
@@ -65,7 +65,7 @@ def test_the_charts_queue_policy_is_the_gateways_default_and_choices() -> None:
     import yaml
 
     from kvfleet.gateway.config import GatewayConfig
-    from kvfleet.gateway.fair_order import QUEUE_POLICIES
+    from kvfleet.gateway.queue.fair_order import QUEUE_POLICIES
     chart = Path(__file__).resolve().parent.parent / "charts" / "kvfleet"
     values = yaml.safe_load((chart / "values.yaml").read_text())["gateway"]
     schema = json.loads((chart / "values.schema.json").read_text())["properties"]["gateway"]["properties"]

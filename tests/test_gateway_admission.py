@@ -12,12 +12,12 @@ from kvfleet.fleet.load import EngineLoad
 from kvfleet.fleet.priority import Priority, parse_priority
 from kvfleet.gateway.admission import Action, admit
 from kvfleet.gateway.config import GatewayConfig, parse_queue_caps
-from kvfleet.gateway.endpoints import EndpointPool
-from kvfleet.gateway.local_queue import LocalQueue
-from kvfleet.gateway.prefix import PrefixAffinity, prompt_text
-from kvfleet.gateway.queue_order import QueueEntry, queue_score
-from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, SaturationPolicy, free_slots, pick
-from kvfleet.gateway.strategies import strategy_named
+from kvfleet.gateway.engines.pool import EndpointPool
+from kvfleet.gateway.prefix.approximate import ApproximatePrefixTable, prompt_text
+from kvfleet.gateway.queue.local import LocalQueue
+from kvfleet.gateway.queue.order import QueueEntry, queue_score
+from kvfleet.gateway.routing.pick import EndpointSnapshot, RoutingContext, SaturationPolicy, free_slots, pick
+from kvfleet.gateway.routing.strategies import strategy_named
 
 C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
 KVFLEET = strategy_named("kvfleet")
@@ -100,7 +100,7 @@ def test_local_queue_caps_and_removal() -> None:
 
 
 def test_prefix_affinity_matches_the_share_of_leading_blocks_sent_to_an_engine() -> None:
-    affinity = PrefixAffinity(block_chars=16)
+    affinity = ApproximatePrefixTable(block_chars=16)
     system = "You are a helpful assistant. " * 4  # 116 chars: 7 full blocks
     first = affinity.block_hashes(system + "What is 2+2?")
     affinity.record(first, "http://a")
@@ -113,13 +113,13 @@ def test_prefix_affinity_matches_the_share_of_leading_blocks_sent_to_an_engine()
 
 
 def test_prefix_hashes_are_chained_so_equal_blocks_at_other_positions_do_not_match() -> None:
-    affinity = PrefixAffinity(block_chars=4)
+    affinity = ApproximatePrefixTable(block_chars=4)
     affinity.record(affinity.block_hashes("aaaabbbb"), "http://a")
     assert affinity.matches(affinity.block_hashes("bbbbaaaa")) == {}
 
 
 def test_prefix_table_is_bounded() -> None:
-    affinity = PrefixAffinity(block_chars=4, capacity=10)
+    affinity = ApproximatePrefixTable(block_chars=4, capacity=10)
     for i in range(100):
         affinity.record(affinity.block_hashes(f"{i:04d}" * 3), "http://a")
     assert len(affinity._owner) == 10

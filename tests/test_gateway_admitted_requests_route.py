@@ -12,9 +12,9 @@ import httpx
 
 from kvfleet.fleet.load import EngineLoad
 from kvfleet.gateway.config import GatewayConfig
-from kvfleet.gateway.endpoints import EndpointPool
+from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys
+from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
 from kvfleet.gateway.proxy import Forwarder
 from tests.test_gateway_hostile_engines import StandInEngine
 

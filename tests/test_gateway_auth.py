@@ -11,7 +11,7 @@ import kmock
 import pytest
 from kubernetes import client
 
-from kvfleet.gateway.auth import ApiKeyStore, KeyInfo, hash_key
+from kvfleet.gateway.limits.keys import ApiKeyStore, KeyInfo, hash_key
 
 ALICE = "sk-alice-0123456789"
 BOB = "sk-bob-abcdefghij"

@@ -1,8 +1,8 @@
 """Who may claim the critical class: an API key's `max_class=`, else the gateway's `--max-class` (every request
 without API keys); a claim above it is a 403 that says what to send, and is not counted as an arrival of its class.
 
-Pure tests of the key option, the flag and the decision (gateway/class_grant.py), then real gateways in front of a
-real engine: one with keys behind Envoy (the endpoint picker's path) and Redis (the SLO counts), one without keys
+Pure tests of the key option, the flag and the decision (gateway/limits/class_grant.py), then real gateways in front of
+a real engine: one with keys behind Envoy (the endpoint picker's path) and Redis (the SLO counts), one without keys
 on the Python proxy, and one with today's default, which still takes critical from anyone.
 """
 
@@ -19,10 +19,10 @@ import pytest
 from kvfleet.fleet.headers import PRIORITY
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.slo_stats import read_class_windows
-from kvfleet.gateway.auth import ApiKeyStore, hash_key, parse_key_lines
-from kvfleet.gateway.class_grant import class_ceiling, class_refusal, may_claim
 from kvfleet.gateway.cli_args import add_gateway_args, gateway_config_from_args
 from kvfleet.gateway.config import GatewayConfig
+from kvfleet.gateway.limits.class_grant import class_ceiling, class_refusal, may_claim
+from kvfleet.gateway.limits.keys import ApiKeyStore, hash_key, parse_key_lines
 from tests.conftest import start_gateway, stop_process
 from tests.test_gateway_proxy import until_metric, wait_until_routable
 

@@ -22,9 +22,9 @@ import pytest
 from kvfleet.fleet.load import EngineLoad
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.admission import Action, admit
-from kvfleet.gateway.endpoints import EndpointPool
-from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, SaturationPolicy, critical_room, pick
-from kvfleet.gateway.strategies import strategy_named
+from kvfleet.gateway.engines.pool import EndpointPool
+from kvfleet.gateway.routing.pick import EndpointSnapshot, RoutingContext, SaturationPolicy, critical_room, pick
+from kvfleet.gateway.routing.strategies import strategy_named
 from tests.conftest import one_sequence_engine_fixtures, start_engine_server, start_gateway, stop_process
 from tests.test_gateway_live_routing import waiting
 from tests.test_gateway_proxy import wait_until_routable

@@ -26,7 +26,7 @@ from kubernetes.client import (
 )
 
 from kvfleet.fleet.pods import pod_endpoint
-from kvfleet.gateway.discovery import KubernetesDiscovery, StaticDiscovery
+from kvfleet.gateway.engines.discovery import KubernetesDiscovery, StaticDiscovery
 
 # kmock 0.8 reads its bundled resource list with a deprecated importlib call.
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
@@ -298,7 +298,7 @@ def test_discovery_outlives_an_unavailable_api_and_an_expired_watch(caplog: pyte
             # Two failed lists, then a list whose watch expired, then a list and the watch that carried chat-1.
             assert (emulator.lists, emulator.watches) == (4, 2)
 
-    with caplog.at_level(logging.WARNING, logger="kvfleet.gateway.discovery"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.gateway.engines.discovery"):
         run(scenario())
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 3
@@ -318,7 +318,7 @@ def test_watch_that_runs_out_is_renewed_quietly(caplog: pytest.LogCaptureFixture
             assert (emulator.lists, emulator.watches) == (2, 2)
             assert seen.sets == [{"http://10.0.0.5:8000"}, {"http://10.0.0.5:8000", "http://10.0.0.6:8000"}]
 
-    with caplog.at_level(logging.WARNING, logger="kvfleet.gateway.discovery"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.gateway.engines.discovery"):
         run(scenario())
     assert not caplog.records
 

@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 
 from kvfleet.fleet import ports
-from kvfleet.gateway.envoy_config import PICKER_MESSAGE_TIMEOUT_S
+from kvfleet.gateway.envoy.bootstrap import PICKER_MESSAGE_TIMEOUT_S
 from tests.conftest import start_engine_servers, start_gateway, stop_process
 from tests.test_fault_drills import LONG, complete, saturated, until
 from tests.test_gateway_proxy import wait_until_routable

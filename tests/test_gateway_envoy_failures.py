@@ -1,7 +1,7 @@
 """Engine failures through Envoy (`--data-plane envoy`, issue 22 item 3): the picker names the chosen engine and
 a fallback (the Inference Extension's destination list); Envoy retries once, on the fallback, exactly what the
-Python proxy retries (gateway/failure_class.py), and nothing the request caused. A client that hangs up frees the
-engine. The failing engines are tests/test_gateway_hostile_engines.py's stand-ins; the gateway and Envoy are real.
+Python proxy retries (gateway/engines/failure_class.py), and nothing the request caused. A client that hangs up frees
+the engine. The failing engines are tests/test_gateway_hostile_engines.py's stand-ins; the gateway and Envoy are real.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvfleet.fleet.load import EngineLoad
 from kvfleet.gateway.config import GatewayConfig
-from kvfleet.gateway.endpoints import EndpointPool
-from kvfleet.gateway.envoy_config import DESTINATION_HEADER
-from kvfleet.gateway.envoy_endpoints import EndpointsFile, endpoints_document, envoy_address, pick_destinations
-from kvfleet.gateway.envoy_messages import SUBSET_KEY, SUBSET_NAMESPACE, route_to, subset_hint
-from kvfleet.gateway.failure_class import AnswerClass, classify_attempt, engine_health
+from kvfleet.gateway.engines.failure_class import AnswerClass, classify_attempt, engine_health
+from kvfleet.gateway.engines.pool import EndpointPool
+from kvfleet.gateway.envoy.bootstrap import DESTINATION_HEADER
+from kvfleet.gateway.envoy.eds import EndpointsFile, endpoints_document, envoy_address, pick_destinations
+from kvfleet.gateway.envoy.messages import SUBSET_KEY, SUBSET_NAMESPACE, route_to, subset_hint
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys
+from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
 from kvfleet.gateway.proxy import Forwarder
 from tests.conftest import start_gateway, stop_process
 from tests.test_fault_drills import running, until

@@ -14,8 +14,8 @@ import pytest
 
 from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.gateway.config import GatewayConfig
-from kvfleet.gateway.envoy_config import build_bootstrap
-from kvfleet.gateway.envoy_front import envoy_binary
+from kvfleet.gateway.envoy.bootstrap import build_bootstrap
+from kvfleet.gateway.envoy.front import envoy_binary
 from tests.conftest import free_port, start_gateway, stop_process
 from tests.test_gateway_proxy import wait_until_routable
 

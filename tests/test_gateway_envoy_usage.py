@@ -22,12 +22,12 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from prometheus_client import generate_latest
 from redis import Redis as SyncRedis
 
-from kvfleet.gateway.endpoints import EndpointPool
-from kvfleet.gateway.envoy_config import ENGINES_CLUSTER
-from kvfleet.gateway.envoy_feed import EnvoyFeed
-from kvfleet.gateway.envoy_lua import USAGE_NAMESPACE
+from kvfleet.gateway.engines.pool import EndpointPool
+from kvfleet.gateway.envoy.bootstrap import ENGINES_CLUSTER
+from kvfleet.gateway.envoy.feed import EnvoyFeed
+from kvfleet.gateway.envoy.lua import USAGE_NAMESPACE
+from kvfleet.gateway.limits.usage import Cost, Settlement
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.usage import Cost, Settlement
 from tests.conftest import start_gateway, stop_process
 from tests.test_gateway_hostile_engines import METRICS, counter
 from tests.test_gateway_proxy import wait_until_routable

@@ -11,7 +11,7 @@ import redis
 
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.redis_keys import queue_key
-from kvfleet.gateway.fleet_queue import FleetQueue, Outcome
+from kvfleet.gateway.queue.fleet import FleetQueue, Outcome
 
 C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
 CAPS = {C: 100, S: 100, X: 100}

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from kvfleet.gateway.failure_class import FAULT_HEADER, AnswerClass, classify
+from kvfleet.gateway.engines.failure_class import FAULT_HEADER, AnswerClass, classify
 from tests.conftest import start_gateway, stop_process
 from tests.test_gateway_proxy import until_metric, wait_until_routable
 
@@ -177,7 +177,7 @@ def test_an_unreachable_engine_ends_only_the_waits_that_saw_nothing_for_as_long(
     """A stream still receiving chunks from an engine that is only slow to report its metrics is left alone."""
     import asyncio
 
-    from kvfleet.gateway.endpoints import EndpointPool
+    from kvfleet.gateway.engines.pool import EndpointPool
 
     async def scenario() -> dict[str, str]:
         pool, outcome = EndpointPool(), {}

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvfleet.fleet.headers import ALLOW_FALLBACK, DEGRADED, ENGINE, PRIORITY
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.redis_keys import key_prefix
-from kvfleet.gateway.model_routes import ModelRoute, ModelTable, fleet_name_for, routes_from_flags
+from kvfleet.gateway.models.routes import ModelRoute, ModelTable, fleet_name_for, routes_from_flags
 from tests.conftest import start_engine_servers, start_gateway, stop_process
 from tests.test_fault_drills import saturated, until
 
@@ -184,7 +184,7 @@ def fleet(name: str, model: str, labels: dict | None = None, **gateway: object) 
 
 
 def test_inference_fleets_become_routes_and_what_cannot_be_served_is_said() -> None:
-    from kvfleet.gateway.fleet_routes import routes_of_fleets
+    from kvfleet.gateway.models.inference_fleets import routes_of_fleets
 
     routes, problems = routes_of_fleets([
         fleet("chat", "m-chat", modelAliases=["gpt-4o-mini", "m-code"], fallbackModel="m-small"),
@@ -255,7 +255,7 @@ def test_a_gateway_serves_every_selected_inference_fleet_and_drops_one_that_goes
 
 def test_each_fleet_gets_its_route_settings_over_the_gateways() -> None:
     from kvfleet.gateway.config import GatewayConfig
-    from kvfleet.gateway.model_front import ModelFront
+    from kvfleet.gateway.models.front import ModelFront
 
     base = GatewayConfig(models=[ModelRoute("a", "a", ("http://x:1",))], fleet="ignored", k8s_namespace="llm",
                          degrade_max_tokens={Priority.STANDARD: 256})

@@ -1,7 +1,7 @@
 """`kvfleet gateway --data-plane picker` (issue 22, the chart's Envoy sidecar and `gateway.mode: inferencePool`):
 the gateway serves the endpoint picker (ext_proc) and grpc.health.v1 on --picker-port and its HTTP app on --port,
 and starts no Envoy. An Envoy started apart from it, from the bootstrap the chart's init container writes
-(`python -m kvfleet.gateway.envoy_sidecar`), carries a completion to a real engine through that picker."""
+(`python -m kvfleet.gateway.envoy.sidecar`), carries a completion to a real engine through that picker."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvfleet.gateway.envoy_front import envoy_binary
-from kvfleet.gateway.picker_mode import EXT_PROC_SERVICE
+from kvfleet.gateway.envoy.front import envoy_binary
+from kvfleet.gateway.envoy.picker_mode import EXT_PROC_SERVICE
 from kvfleet.supervisor import spawn
 from tests.conftest import _launch, free_port, start_gateway, stop_process
 from tests.test_gateway_proxy import wait_until_routable
@@ -105,7 +105,7 @@ def test_a_sidecar_envoy_from_the_init_containers_bootstrap_routes_through_the_p
     flags = ["--data-plane", "envoy-sidecar", "--port", str(app_port), "--picker-port", str(picker_port),
              "--envoy-endpoints-file", str(tmp_path / "engines" / "engines.json"), "--engine", tiny_server]
     bootstrap = tmp_path / "envoy.json"
-    written = subprocess.run([sys.executable, "-m", "kvfleet.gateway.envoy_sidecar", "--out", str(bootstrap),
+    written = subprocess.run([sys.executable, "-m", "kvfleet.gateway.envoy.sidecar", "--out", str(bootstrap),
                               "--envoy-host", "127.0.0.1", "--envoy-port", str(envoy_port),
                               "--envoy-admin-port", str(free_port()), *flags], capture_output=True, text=True,
                              timeout=60)
@@ -145,7 +145,7 @@ def test_a_sidecar_envoy_from_the_init_containers_bootstrap_routes_through_the_p
 
 
 def test_the_sidecar_bootstrap_refuses_clashing_ports() -> None:
-    done = subprocess.run([sys.executable, "-m", "kvfleet.gateway.envoy_sidecar", "--envoy-port", "9002",
+    done = subprocess.run([sys.executable, "-m", "kvfleet.gateway.envoy.sidecar", "--envoy-port", "9002",
                            "--data-plane", "envoy-sidecar", "--envoy-endpoints-file", "/tmp/x/engines.json",
                            "--port", "8081", "--picker-port", "9002"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "must differ" in done.stderr

@@ -9,9 +9,9 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from kvfleet.gateway import rate_limit
-from kvfleet.gateway.auth import KeyInfo
-from kvfleet.gateway.rate_limit import RateLimiter, Verdict, decide
+from kvfleet.gateway.limits import rate_limit
+from kvfleet.gateway.limits.keys import KeyInfo
+from kvfleet.gateway.limits.rate_limit import RateLimiter, Verdict, decide
 from kvfleet.redis_server import RedisServer
 
 T0 = 1_700_000_000.25  # an injected clock: the tests move time by passing `now`
@@ -124,7 +124,7 @@ def test_without_redis_limits_hold_locally_and_come_back_to_redis(redis_server, 
             finally:
                 restarted.stop()
 
-    with caplog.at_level(logging.INFO, logger="kvfleet.gateway.rate_limit"):
+    with caplog.at_level(logging.INFO, logger="kvfleet.gateway.limits.rate_limit"):
         asyncio.run(run())
     messages = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert [level for level, _ in messages] == ["WARNING", "INFO"], messages

@@ -8,8 +8,8 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, SaturationPolicy, pick
-from kvfleet.gateway.strategies import strategy_named
+from kvfleet.gateway.routing.pick import EndpointSnapshot, RoutingContext, SaturationPolicy, pick
+from kvfleet.gateway.routing.strategies import strategy_named
 
 
 def ep(url: str, kv: float = 0.1, waiting: int = 0, running: int = 0, age: float = 0.05, healthy: bool = True,

@@ -18,9 +18,9 @@ from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 from kvfleet.fleet.redis_keys import key_prefix
-from kvfleet.gateway.auth import KeyInfo, hash_key
-from kvfleet.gateway.rate_limit import WINDOW_S, InProcessRateLimiter, RateLimiter
-from kvfleet.gateway.usage import (
+from kvfleet.gateway.limits.keys import KeyInfo, hash_key
+from kvfleet.gateway.limits.rate_limit import WINDOW_S, InProcessRateLimiter, RateLimiter
+from kvfleet.gateway.limits.usage import (
     DEFAULT_MAX_TOKENS,
     MAX_RESERVATION,
     Cost,

@@ -86,12 +86,12 @@ def test_the_checker_names_file_and_line_of_each_crossing() -> None:
               "from kvfleet.fleet.metrics import KV_CACHE_USAGE\n"
               "from kvfleet.kernels import attention\n"
               "def late():\n"
-              "    from kvfleet.gateway.routing import pick\n"
+              "    from kvfleet.gateway.routing.pick import pick\n"
               "    import kvfleet.local_fleet\n"
               "from .. import cli\n"
               "from kvfleet import operator\n")
     assert violations(source, "kvfleet.engine.scheduler", "engine/scheduler.py") == [
-        "engine/scheduler.py:5: kvfleet.engine.scheduler imports kvfleet.gateway.routing "
+        "engine/scheduler.py:5: kvfleet.engine.scheduler imports kvfleet.gateway.routing.pick "
         "(kvfleet.engine may import only kvfleet.engine, kvfleet.fleet, kvfleet.kernels)",
         "engine/scheduler.py:6: kvfleet.engine.scheduler imports kvfleet.local_fleet "
         "(kvfleet.engine may import only kvfleet.engine, kvfleet.fleet, kvfleet.kernels)",

@@ -18,9 +18,9 @@ import msgpack
 import pytest
 
 from kvfleet.fleet.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventError
-from kvfleet.gateway.kv_events_zmq import ZmqEventSubscriber, decode_vllm_batch, parse_sources
-from kvfleet.gateway.kv_index import KVIndex, chain_keys
 from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.prefix.events_zmq import ZmqEventSubscriber, decode_vllm_batch, parse_sources
+from kvfleet.gateway.prefix.kv_index import KVIndex, chain_keys
 from tests.conftest import free_port, start_engine_servers, start_gateway, stop_process
 from tests.test_gateway_precise_prefix import index_blocks
 from tests.test_gateway_proxy import wait_until_routable

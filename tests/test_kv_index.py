@@ -1,5 +1,5 @@
-"""The gateway's precise prefix index (gateway/kv_index.py) and the KV-event messages it is fed: blocks keyed by their
-tokens whatever the engine calls them, an engine's longest run from the prompt's start, evictions and departures
+"""The gateway's precise prefix index (gateway/prefix/kv_index.py) and the KV-event messages it is fed: blocks keyed by
+their tokens whatever the engine calls them, an engine's longest run from the prompt's start, evictions and departures
 forgotten, memory bounded, and every malformed message refused with KVEventError rather than a crash."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvfleet.fleet.kv_events import (
     decode_batch,
     encode_batch,
 )
-from kvfleet.gateway.kv_index import KVIndex, chain_keys
+from kvfleet.gateway.prefix.kv_index import KVIndex, chain_keys
 
 PROMPT = list(range(100, 164))  # 4 blocks of 16
 

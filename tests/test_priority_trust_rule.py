@@ -58,7 +58,7 @@ def test_a_standard_request_under_its_tenants_share_goes_ahead_of_its_class_but_
 
 
 def test_a_tenant_is_under_its_share_while_it_holds_fewer_in_flight_than_an_equal_split() -> None:
-    from kvfleet.gateway.tenant_share import InFlightShares
+    from kvfleet.gateway.limits.tenant_share import InFlightShares
     shares = InFlightShares()
     assert not shares.under_share("a")  # nothing in flight: nobody to go ahead of
     flood = [shares.start("flood") for _ in range(6)]

@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from kvfleet.fleet.priority import Priority
-from kvfleet.gateway.queue_order import Refusal
-from kvfleet.gateway.queue_wait import DRAIN_WINDOW_S, drain_rate, max_ahead, predicted_wait_s, retry_after_s
+from kvfleet.gateway.queue.order import Refusal
+from kvfleet.gateway.queue.wait import DRAIN_WINDOW_S, drain_rate, max_ahead, predicted_wait_s, retry_after_s
 from tests.test_fair_queue import never_disconnects, release_all, replica, running
 
 S, X = Priority.STANDARD, Priority.SHEDDABLE

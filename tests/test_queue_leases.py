@@ -11,7 +11,7 @@ import redis
 
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.redis_keys import queue_entries_key, queue_key, queue_leases_key
-from kvfleet.gateway.fleet_queue import FleetQueue, Outcome, now_ms
+from kvfleet.gateway.queue.fleet import FleetQueue, Outcome, now_ms
 from tests.test_gateway_fleet_queue import never_disconnects, replica, running
 
 S = Priority.STANDARD

@@ -1,4 +1,4 @@
-"""The estimated-TTFT strategy (gateway/routing.py): each engine's prompt tokens to compute before this request's
+"""The estimated-TTFT strategy (gateway/routing/pick.py): each engine's prompt tokens to compute before this request's
 first token, over its measured prefill rate; the cached share of the prompt is free, other replicas' and this
 gateway's unreported dispatches count, saturated engines are never chosen, and near-ties are split at random."""
 
@@ -10,8 +10,8 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, SaturationPolicy
-from kvfleet.gateway.ttft_routing import EstimatedTTFT
+from kvfleet.gateway.routing.pick import EndpointSnapshot, RoutingContext, SaturationPolicy
+from kvfleet.gateway.routing.ttft import EstimatedTTFT
 
 STRATEGY = EstimatedTTFT()
 

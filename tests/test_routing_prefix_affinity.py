@@ -1,4 +1,4 @@
-"""Prefix affinity (gateway/ttft_routing.py): the engine holding a prompt keeps it until waiting there costs more
+"""Prefix affinity (gateway/routing/ttft.py): the engine holding a prompt keeps it until waiting there costs more
 than `stickiness` times the prefill its cache saves; a prompt no engine holds goes to the lowest estimated time to
 first token; with every engine saturated the request waits in the gateway, and once released the cache still
 decides, saturated or not."""
@@ -10,9 +10,9 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, SaturationPolicy, pick
-from kvfleet.gateway.strategies import strategy_named
-from kvfleet.gateway.ttft_routing import PrefixAffinity
+from kvfleet.gateway.routing.pick import EndpointSnapshot, RoutingContext, SaturationPolicy, pick
+from kvfleet.gateway.routing.strategies import strategy_named
+from kvfleet.gateway.routing.ttft import PrefixAffinity
 
 STRATEGY = PrefixAffinity(stickiness=4.0)
 

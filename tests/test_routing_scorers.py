@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfleet.gateway.config import ROUTING_STRATEGIES
-from kvfleet.gateway.routing import EndpointSnapshot, RoutingContext, SaturationPolicy, ScoreWeights, pick
-from kvfleet.gateway.scorers import KVHeadroom, PrefixMatch, QueueRoom
-from kvfleet.gateway.strategies import STRATEGIES, strategy_named
+from kvfleet.gateway.routing.pick import EndpointSnapshot, RoutingContext, SaturationPolicy, ScoreWeights, pick
+from kvfleet.gateway.routing.scorers import KVHeadroom, PrefixMatch, QueueRoom
+from kvfleet.gateway.routing.strategies import STRATEGIES, strategy_named
 
 # --- the former routing code, verbatim but for names --------------------------------------------------------------
 
@@ -125,7 +125,7 @@ def test_routing_flag_offers_exactly_the_registered_strategies() -> None:
 
 def test_least_request_counts_the_requests_it_sent_since_the_scrape_even_into_free_batch_slots() -> None:
     """Between two scrapes every pick would otherwise go to the same engine (herding onto it)."""
-    from kvfleet.gateway.routing import LeastRequest
+    from kvfleet.gateway.routing.pick import LeastRequest
 
     fleet = [EndpointSnapshot("a", True, 0.1, 0, 1, 0.01, in_flight=2, max_num_seqs=8),
              EndpointSnapshot("b", True, 0.1, 0, 2, 0.01, in_flight=0, max_num_seqs=8)]

@@ -205,7 +205,7 @@ def test_the_charts_gateway_values_are_the_gateways_defaults_and_choices() -> No
     import yaml
 
     from kvfleet.gateway.config import GatewayConfig
-    from kvfleet.gateway.strategies import STRATEGIES
+    from kvfleet.gateway.routing.strategies import STRATEGIES
     chart = Path(__file__).resolve().parent.parent / "charts" / "kvfleet"
     values = yaml.safe_load((chart / "values.yaml").read_text())["gateway"]
     schema = json.loads((chart / "values.schema.json").read_text())["properties"]["gateway"]["properties"]

@@ -18,8 +18,8 @@ from kvfleet.fleet import slo_stats
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.redis_keys import slo_slot_key
 from kvfleet.fleet.slo import ClassWindow, SloClass
+from kvfleet.gateway.limits.usage import StreamUsageMeter, Usage, answer_usage, is_token_event
 from kvfleet.gateway.slo_counts import SloCounts
-from kvfleet.gateway.usage import StreamUsageMeter, Usage, answer_usage, is_token_event
 from tests.conftest import free_port, one_sequence_engine_fixtures, start_gateway, stop_process
 from tests.test_gateway_proxy import wait_until_routable
 from tests.test_gateway_queueing import saturated

@@ -14,9 +14,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.gateway.config import GatewayConfig
+from kvfleet.gateway.limits.tenant_metrics import OTHER, REFRESH_S, TenantLabels, TenantMetrics
+from kvfleet.gateway.limits.usage import Settlement, Usage, request_cost
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.tenant_metrics import OTHER, REFRESH_S, TenantLabels, TenantMetrics
-from kvfleet.gateway.usage import Settlement, Usage, request_cost
 from tests.conftest import one_sequence_engine_fixtures, start_gateway, stop_process
 from tests.test_fault_drills import saturated, until
 from tests.test_gateway_proxy import wait_until_routable

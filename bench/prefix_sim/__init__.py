@@ -6,8 +6,9 @@
 A discrete-event model, pure Python: engines batch continuously by a step-time model calibrated from the real engine
 (calibrate.py) and decide prefix hits and evictions with the engine's real BlockManager, whose KV events feed each
 gateway replica's real KVIndex after a delay; replicas route with the gateway's real strategies and prefix layers
-(gateway/routing.py, prefix_routing.py) over their own scraped, staggered view. workload.py is the traffic; engine.py
-an engine; gateway.py the replicas and the oracle; model.py the loop; report.py the figures; __main__.py the CLI.
+(gateway/routing/pick.py, gateway/prefix/worth.py) over their own scraped, staggered view. workload.py is the
+traffic; engine.py an engine; gateway.py the replicas and the oracle; model.py the loop; report.py the figures;
+__main__.py the CLI.
 """
 
 from bench.prefix_sim.calibrate import Calibration

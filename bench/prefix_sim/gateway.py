@@ -1,5 +1,5 @@
-"""Gateway replicas as the simulation runs them: the gateway's real strategies (gateway/routing.py) and prefix
-layers (gateway/prefix_routing.py, gateway/kv_index.py, gateway/prefix.py), fed with each replica's own view.
+"""Gateway replicas as the simulation runs them: the gateway's real strategies (gateway/routing/pick.py) and prefix
+layers (gateway/prefix/: worth.py, kv_index.py, approximate.py), fed with each replica's own view.
 
 A replica sees engine load as of its last scrape (every 75 ms, staggered across replicas) plus its own dispatches
 since; the precise index takes each engine's KV events `delay` seconds after the engine published them; the
@@ -14,16 +14,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from bench.prefix_sim.engine import Job, SimEngine
-from kvfleet.gateway.kv_index import KVIndex
-from kvfleet.gateway.prefix_routing import PrefixRouting, PromptKeys
-from kvfleet.gateway.routing import (
+from kvfleet.gateway.prefix.kv_index import KVIndex
+from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
+from kvfleet.gateway.routing.pick import (
     EndpointSnapshot,
     RoutingContext,
     Strategy,
     free_slots,
     pick,
 )
-from kvfleet.gateway.strategies import strategy_named
+from kvfleet.gateway.routing.strategies import strategy_named
 
 # policy -> (gateway strategy, prefix layer: None, "approximate" or "precise")
 POLICIES: dict[str, tuple[str, str | None]] = {
@@ -117,7 +117,7 @@ class Replica:
         return k
 
     def releasable(self, now: float) -> int:
-        """How many queued requests the fleet can take now, by this replica's view (gateway/routing.py free_slots)."""
+        """How many queued requests the fleet can take now, by this replica's view (routing/pick.py free_slots)."""
         return free_slots(self.snapshots(now)) if self.queue else 0
 
 

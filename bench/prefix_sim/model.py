@@ -3,7 +3,7 @@
 Events are arrivals (each replica takes every R-th request, as a load balancer in front would spread them), engine
 step ends, and replica scrapes (every 75 ms, replica r offset by r/R of the period). A request that finds every
 engine saturated waits in its replica's queue and is released at that replica's next scrapes, as many as the fleet
-has free slots (gateway/routing.py free_slots), routed with must=True like the gateway's queue releases.
+has free slots (gateway/routing/pick.py free_slots), routed with must=True like the gateway's queue releases.
 """
 
 from __future__ import annotations

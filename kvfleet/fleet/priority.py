@@ -6,7 +6,7 @@ engine admits and preempts by an integer, vLLM's semantics, lower first. `engine
 The trust rule (`forwarded_engine_priority`), what each source may set:
 - the header `x-kvfleet-priority`, from any client: the class, which decides where the request waits in the
   gateway's queue and whether it is shed; absent means standard. A class above the client's API key's max_class,
-  else the gateway's --max-class (default critical: anyone), is refused with 403 (gateway/class_grant.py).
+  else the gateway's --max-class (default critical: anyone), is refused with 403 (gateway/limits/class_grant.py).
 - an API key marked `allow_priority=true`: also the engine's integer `priority` in the body, passed on as sent.
 - a body `priority` from any other client (a key without allow_priority, or a gateway without API keys): nothing;
   it is dropped, and the engine's priority comes from the class when the gateway forwards it.
@@ -41,7 +41,7 @@ _ENGINE_PRIORITY = {Priority.CRITICAL: -2, Priority.STANDARD: ENGINE_DEFAULT_PRI
                     Priority.SHEDDABLE: ENGINE_DEFAULT_PRIORITY}
 # A standard request whose tenant holds less than an equal share of the requests in flight goes ahead of the rest of
 # its class inside the engines too (behind critical): the engines' queues and preemption then keep the tenants' fair
-# share (gateway/fair_order.py) instead of undoing it first come, first served.
+# share (gateway/queue/fair_order.py) instead of undoing it first come, first served.
 UNDER_SHARE_ENGINE_PRIORITY = -1
 
 

@@ -188,7 +188,7 @@ seccompProfile:
 {{- define "kvfleet.gateway.envoyDir" -}}/etc/kvfleet-envoy{{- end -}}
 
 {{/* `kvfleet gateway` flags of the mode, shared word for word by the gateway container and, in envoy mode, the
-init container that writes Envoy's bootstrap from them (gateway/envoy_sidecar.py); the Redis URL is added by the
+init container that writes Envoy's bootstrap from them (gateway/envoy/sidecar.py); the Redis URL is added by the
 gateway container alone (the bootstrap needs no secret). */}}
 {{- define "kvfleet.gateway.flags" -}}
 {{- $g := .Values.gateway -}}
@@ -209,7 +209,7 @@ gateway container alone (the bootstrap needs no secret). */}}
 {{- end }}
 - --k8s-namespace={{ include "kvfleet.gateway.fleetNamespace" . }}
 {{- if $g.fleetSelector }}
-# Every InferenceFleet with these labels, each by its spec.model (gateway/fleet_routes.py).
+# Every InferenceFleet with these labels, each by its spec.model (gateway/models/inference_fleets.py).
 - --k8s-fleet-selector={{ $g.fleetSelector }}
 {{- else if $g.fleets }}
 {{- range $g.fleets }}

@@ -1,0 +1,195 @@
+"""The endpoint picker: the gateway's decision core behind Envoy's external processing (ext_proc) gRPC API, as the
+Gateway API Inference Extension's endpoint picker protocol has it.
+
+Per generation request Envoy opens one stream: the request's headers (answered "continue" once the key and the
+priority header pass), then its buffered body. The picker runs the same decisions as the Python proxy
+(Gateway.admit_request: schema, limits, priority, admission, the fleet queue) and answers with the chosen engine in
+`x-gateway-destination-endpoint` (and a rewritten body when the trust rule changed it), or with an immediate
+OpenAI error (400, 401, 429, 503 with Retry-After). A queued request is a stream the picker holds; the stream ends
+when Envoy has finished the HTTP request, which is when the engine's in-flight count drops. No token passes here,
+unless an Inference Extension gateway chose to stream the response through its picker (gateway/envoy/ext_proc_modes.py:
+the modes other gateways configure, such as FULL_DUPLEX_STREAMED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from collections.abc import Callable, Mapping
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorServicer
+from google.protobuf.duration_pb2 import Duration
+
+from kvfleet.fleet import headers
+from kvfleet.fleet.errors import APIError
+from kvfleet.fleet.priority import DEFAULT_PRIORITY, Priority, parse_priority
+from kvfleet.gateway.app import Gateway, request_id_from
+from kvfleet.gateway.engines.pool import nothing_counted
+from kvfleet.gateway.envoy.bootstrap import PICKER_MARGIN_S
+from kvfleet.gateway.envoy.eds import pick_destinations
+from kvfleet.gateway.envoy.ext_proc_modes import (
+    OWN,
+    Modes,
+    StreamedBody,
+    answer_after_route,
+    modes_of,
+    read_streamed_body,
+    refuse_unroutable,
+    streamed_route,
+)
+from kvfleet.gateway.envoy.feed import EnvoyFeed
+from kvfleet.gateway.envoy.messages import header_map, immediate, route_to, subset_hint
+
+log = logging.getLogger("kvfleet.gateway.picker")
+_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())  # the headers phase's answer, built once
+
+
+class EndpointPicker(ExternalProcessorServicer):
+    """One Envoy stream per request; the decisions are the gateway's own."""
+
+    def __init__(self, gateway: Gateway, feed: EnvoyFeed | None = None) -> None:
+        self.gateway = gateway
+        self.feed = feed  # settles, counts and judges each routed request from Envoy's access log entry
+
+    async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 (gRPC's name)
+        first = await context.read()
+        if first is grpc.aio.EOF or not first.HasField("request_headers"):
+            return
+        request_headers = header_map(first.request_headers)
+        request_id = request_id_from(request_headers.get(headers.REQUEST_ID))
+        priority = DEFAULT_PRIORITY
+        modes = modes_of(first)
+        url: str | None = None
+        fleet = [self.gateway]  # the fleet the request was admitted to, once known (its metrics count it)
+        try:
+            refuse_unroutable(modes)
+            try:
+                priority = parse_priority(request_headers.get(headers.PRIORITY))
+            except ValueError as err:
+                raise APIError(400, str(err), param=headers.PRIORITY) from None
+            url = await self._decide(context, request_headers, priority, first.request_headers.end_of_stream,
+                                     subset_hint(first), modes, request_id, fleet.append)
+        except APIError as err:
+            # counted before the answer goes: Envoy may end the stream once it has the answer, which cancels this
+            # handler at the write (a refusal counted after it went uncounted now and then on a busy machine)
+            metrics = fleet[-1].metrics
+            metrics.labelled(metrics.requests, priority.value, str(err.status)).inc()
+            if err.status != 499:  # a client that left is answered by nobody
+                await context.write(immediate(err, request_id))
+            return
+        gateway = fleet[-1]
+        if self.feed is None:  # else counted with the answer's real status from Envoy's entry
+            gateway.metrics.labelled(gateway.metrics.requests, priority.value, "200").inc()
+        # Envoy closes the stream when the request is done; our own Envoy sends nothing more before that. An engine
+        # that stops answering even its /metrics (a blackhole: EndpointPool.mark_unreachable) ends the wait, and
+        # the picker ends the request: Envoy answers 503 if the engine had not answered yet, else resets the stream.
+        silent = asyncio.timeout(None)
+        gateway.pool.watch(url, silent)
+        # a critical request waits to start until the answer's headers come (a gateway that sends them to its
+        # picker), else, with our own Envoy's response_header_mode SKIP, until the request ends
+        started = gateway.pool.critical_sent(url) if priority is Priority.CRITICAL else nothing_counted
+        try:
+            async with silent:
+                while (message := await context.read()) is not grpc.aio.EOF:
+                    if message.HasField("response_headers"):
+                        started()
+                    answer = answer_after_route(message, modes)
+                    if answer is not None:
+                        await context.write(answer)
+        except TimeoutError:
+            await context.write(immediate(engine_went_silent(url), request_id))
+        finally:
+            gateway.pool.unwatch(url, silent)
+            gateway.pool.record_done(url, None)
+            started()
+
+    async def _decide(self, context: grpc.aio.ServicerContext, request_headers: Mapping[str, str],
+                      priority, no_body: bool, subset: frozenset[str] | None = None, modes: Modes = OWN,
+                      request_id: str | None = None, on_fleet: Callable[[Gateway], None] | None = None) -> str:
+        front = self.gateway
+        limits = front.config.http_limits
+        left = asyncio.Event()
+        context.add_done_callback(lambda _: left.set())
+        streamed = StreamedBody()
+
+        async def read_body() -> bytes:
+            nonlocal streamed
+            if no_body:  # Envoy sends no body message for an empty body: the schema refuses it as the proxy does
+                return b""
+            if modes.duplex:  # the headers phase waits for its answer until the route is known
+                streamed = await read_streamed_body(context, front.config.max_body_bytes)
+                return streamed.body
+            await context.write(_CONTINUE)
+            try:  # Envoy buffers the body and sends it whole: bounded as the Python front bounds it
+                async with asyncio.timeout(limits.body_timeout_s):
+                    message = await context.read()
+            except TimeoutError:
+                raise APIError(408, limits.body_too_slow()) from None
+            if message is grpc.aio.EOF:
+                raise APIError(499, "the client closed the connection", code="client_closed")
+            return message.request_body.body
+
+        async def is_disconnected() -> bool:
+            return left.is_set()
+
+        async def on_queue(max_queue_ms: float) -> None:  # Envoy holds the request as long as the queue may
+            seconds = max_queue_ms / 1000.0 + PICKER_MARGIN_S
+            await context.write(pb.ProcessingResponse(
+                override_message_timeout=Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9))))
+
+        path = request_headers.get(":path", "").split("?", 1)[0]
+        gateway, admitted = await front.admit(path, request_headers, read_body, priority, is_disconnected, on_queue,
+                                              stream_usage=self.feed is not None, on_fleet=on_fleet)
+        urls = pick_destinations(gateway.forwarder, admitted.hashes, subset, priority is Priority.CRITICAL)
+        url = urls[0] if urls else None  # the chosen engine; the rest are Envoy's fallbacks
+        if url is None:
+            if admitted.settlement is not None:
+                admitted.settlement.refund()  # nothing will be generated, as the Python proxy refunds
+            raise APIError(503, "no engine is available; retry later", "service_unavailable", code="no_engine",
+                           headers={headers.RETRY_AFTER: "1"})
+        gateway.pool.record_dispatch(url, gateway.prefix.uncached_tokens(admitted.hashes, url))
+        gateway.metrics.labelled(gateway.metrics.routed, url).inc()
+        gateway.prefix.record(admitted.hashes, url)
+        message = route_to(urls, admitted.body if admitted.changed else None, gateway.config.engine_api_key,
+                           request_id)
+        if self.feed is not None:  # the ticket Envoy's access log entry brings back with the answer's usage
+            ticket, metadata = self.feed.expect(priority.value, admitted.settlement, admitted.degraded,
+                                                gateway.metrics)
+            message.dynamic_metadata.MergeFrom(metadata)  # beside the envoy.lb namespace route_to may set
+            context.add_done_callback(lambda _: self.feed.closed(ticket))
+        elif admitted.settlement is not None:
+            admitted.settlement.abandoned()  # no access log comes back (a foreign Envoy): keep the reservation
+        if modes.duplex:
+            body = admitted.body if admitted.changed else streamed.body
+            for answer in streamed_route(message, body, streamed.trailers):
+                await context.write(answer)
+        else:
+            await context.write(message)
+        return url
+
+
+def engine_went_silent(url: str) -> APIError:
+    return APIError(503, f"the engine {url} stopped answering; retry", "service_unavailable",
+                    code="engine_unavailable", headers={headers.RETRY_AFTER: "1"})
+
+
+def freeze_startup_heap() -> None:
+    """Moves the ~95,000 objects of the imports and the app out of the collector's reach: a full collection over
+    them stalls the event loop, and so every stream the picker holds, for 70-115 ms (the first comes soon after
+    start, the next whenever the objects requests leave behind, such as the prefix index, grow by a quarter); with
+    them frozen a full collection scans only what the requests made."""
+    gc.collect()
+    gc.freeze()
+
+
+def picker_server(gateway: Gateway) -> grpc.aio.Server:
+    """A gRPC server whose messages fit a whole request body: the body phase carries up to the gateway's body limit
+    each way (gRPC's default 4 MiB would fail a 6 MiB prompt's stream, and Envoy would answer 503, not the 400 or
+    the route the picker means)."""
+    size = gateway.config.max_body_bytes + 1024 * 1024  # the body, its headers and metadata
+    freeze_startup_heap()
+    return grpc.aio.server(options=[("grpc.max_receive_message_length", size),
+                                    ("grpc.max_send_message_length", size)])
