@@ -48,6 +48,7 @@ from kvfleet.gateway.queue.fleet import FleetQueue, Outcome
 from kvfleet.gateway.queue.order import Placement, Refusal
 from kvfleet.gateway.queue.wait import predicted_wait_s, retry_after_s
 from kvfleet.gateway.routing.pick import available, critical_room, free_slots
+from kvfleet.gateway.routing.router import Router
 from kvfleet.gateway.routing.strategies import PREFIX_STRATEGIES
 from kvfleet.gateway.slo_counts import SloCounts
 
@@ -80,6 +81,7 @@ class Gateway:
     client: httpx.AsyncClient | None = None
     queue: FleetQueue | None = None
     scraper: Scraper | None = None
+    router: Router | None = None
     forwarder: Forwarder | None = None
     discovery: object | None = None
     keys: object | None = None  # gateway.auth.ApiKeyStore when API keys are on
@@ -121,7 +123,8 @@ class Gateway:
             from kvfleet.gateway.limits.rate_limit import InProcessRateLimiter, RateLimiter
 
             self.limiter = RateLimiter(self.queue.client, c.fleet) if self.queue.client else InProcessRateLimiter()
-        self.forwarder = Forwarder(c, self.client, self.pool, self.prefix, self.metrics)
+        self.router = Router(c, self.pool, self.prefix, self.metrics)
+        self.forwarder = Forwarder(c, self.client, self.router)
         self.scraper = Scraper(self.pool, c.scrape_interval_s, on_scrape=lambda url: self.poke(),
                                unreachable_after_s=c.engine_unreachable_after_s)
         if self.tokenize is not None and c.routing in PREFIX_STRATEGIES:  # without tokens, no index lookups
@@ -180,7 +183,7 @@ class Gateway:
             return
         for _, owner in await self.queue.release(min(slots, total)):
             if owner != self.config.gateway_id:  # another replica sends it; count it where it will likely go
-                url = self.forwarder.choose(PromptKeys([]), must=True)
+                url = self.router.choose(PromptKeys([]), must=True)
                 if url is not None:
                     self.pool.record_expected(url)
 
@@ -419,7 +422,7 @@ class Gateway:
 
     async def engine_models(self) -> tuple[httpx.Response, str]:
         """An engine's GET /v1/models answer, and the engine; 503 while none is available, 502 if it fails."""
-        url = self.forwarder.choose(PromptKeys([]), must=True)
+        url = self.router.choose(PromptKeys([]), must=True)
         if url is None:
             raise APIError(503, "no engine is available yet; retry shortly", "service_unavailable",
                            code="no_engine", headers={headers.RETRY_AFTER: "1"})

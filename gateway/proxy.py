@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -23,12 +22,10 @@ from kvfleet.fleet.headers import AUTHORIZATION, REQUEST_ID, RETRY_AFTER
 from kvfleet.fleet.headers import ENGINE as ENGINE_HEADER
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.engines.failure_class import AnswerClass, classify
-from kvfleet.gateway.engines.pool import EndpointPool, nothing_counted
+from kvfleet.gateway.engines.pool import nothing_counted
 from kvfleet.gateway.limits.usage import Settlement, StreamUsageMeter, answer_usage
-from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
-from kvfleet.gateway.routing.pick import RoutingContext, pick
-from kvfleet.gateway.routing.strategies import strategy_named
+from kvfleet.gateway.prefix.worth import PromptKeys
+from kvfleet.gateway.routing.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -67,25 +64,11 @@ def sse_error_event(message: str, code: str = "upstream_error") -> bytes:
 
 
 class Forwarder:
-    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient, pool: EndpointPool,
-                 prefix: PrefixRouting, metrics: GatewayMetrics, rng: random.Random | None = None):
-        self.config, self.client, self.pool, self.prefix, self.metrics = config, client, pool, prefix, metrics
-        self.rng = rng or random.Random()
-        self._counter = 0
+    """The Python proxy's half after admission: sends to the engine the router picks, retries, relays."""
 
-    def choose(self, hashes: PromptKeys, exclude: frozenset[str] = frozenset(), must: bool = False,
-               critical: bool = False) -> str | None:
-        """An engine for a request; `critical`: a critical request, which --critical-first routes past saturation."""
-        self._counter += 1
-        strategy = strategy_named(self.config.routing, self.config.weights, self.config.saturation)
-        matches = self.prefix.matches(hashes)
-        request = RoutingContext(matches, exclude, must, turn=self._counter, num_tokens=hashes.est_tokens)
-        critical_policy = self.config.saturation if critical and self.config.critical_first else None
-        chosen = pick(strategy, self.pool.snapshots(), request, self.rng, critical_policy)
-        if chosen is None:
-            return None
-        self.metrics.labelled(self.metrics.routing_decisions, self.prefix.reason(matches, chosen.url)).inc()
-        return chosen.url
+    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient, router: Router):
+        self.config, self.client, self.router = config, client, router
+        self.pool, self.metrics = router.pool, router.metrics
 
     async def forward(self, path: str, raw_body: bytes, headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str],
                       request_id: str, hashes: PromptKeys,
@@ -99,13 +82,12 @@ class Forwarder:
             # must: the request was admitted because the fleet had room (or released from the queue, or this is a
             # retry); requests admitted together can fill it before their picks, and then the least-loaded healthy
             # engine queues the request itself rather than the client getting 503 `no_engine`
-            url = self.choose(hashes, frozenset(tried), must=True, critical=critical)
+            url = self.router.choose(hashes, frozenset(tried), must=True, critical=critical)
             if url is None:
                 break
             tried.add(url)
-            self.prefix.record(hashes, url)  # at dispatch: the next requests of its tenant follow before it answers
-            upstream = await self._send(url, path, raw_body, headers, request_id,
-                                        self.prefix.uncached_tokens(hashes, url), critical)
+            self.router.dispatched(hashes, url)
+            upstream = await self._send(url, path, raw_body, headers, request_id, critical)
             if isinstance(upstream, str):
                 last_error = upstream
                 self.metrics.retries.labels("connect_error" if attempt == 0 else "gave_up").inc()
@@ -128,11 +110,9 @@ class Forwarder:
 
     async def _send(self, url: str, path: str, raw_body: bytes,
                     headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str,
-                    tokens: int = 0, critical: bool = False) -> Upstream | str:
+                    critical: bool = False) -> Upstream | str:
         """The engine's answer once its headers arrive (a kvfleet engine sends them with the first output), or why
         none came. A critical request counts in the engine's critical_pending until then, whatever happens."""
-        self.pool.record_dispatch(url, tokens)
-        self.metrics.routed.labels(url).inc()
         sent_at = time.monotonic()
         request = self.client.build_request("POST", url + path, content=raw_body,
                                             headers=upstream_headers(headers, request_id, self.config.engine_api_key))

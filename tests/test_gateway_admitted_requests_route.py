@@ -16,6 +16,7 @@ from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
 from kvfleet.gateway.proxy import Forwarder
+from kvfleet.gateway.routing.router import Router
 from tests.test_gateway_hostile_engines import StandInEngine
 
 
@@ -29,8 +30,8 @@ def test_an_admitted_request_goes_to_a_saturated_engine_rather_than_503() -> Non
 
         async def send() -> httpx.Response:
             async with httpx.AsyncClient() as client:
-                forwarder = Forwarder(GatewayConfig(engines=[engine.url]), client, pool, PrefixRouting(),
-                                      GatewayMetrics())
+                config = GatewayConfig(engines=[engine.url])
+                forwarder = Forwarder(config, client, Router(config, pool, PrefixRouting(), GatewayMetrics()))
                 body = json.dumps({"model": "stand-in", "prompt": "hello"}).encode()
                 return await forwarder.forward("/v1/completions", body, {"content-type": "application/json"},
                                                "rid", PromptKeys([]), on_tokens=None)

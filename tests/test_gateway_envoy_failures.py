@@ -24,7 +24,7 @@ from kvfleet.gateway.envoy.eds import EndpointsFile, endpoints_document, envoy_a
 from kvfleet.gateway.envoy.messages import SUBSET_KEY, SUBSET_NAMESPACE, route_to, subset_hint
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
-from kvfleet.gateway.proxy import Forwarder
+from kvfleet.gateway.routing.router import Router
 from tests.conftest import start_gateway, stop_process
 from tests.test_fault_drills import running, until
 from tests.test_gateway_hostile_engines import StandInEngine, complete, counter, error_body
@@ -153,12 +153,12 @@ def test_a_client_that_hangs_up_frees_the_engine(tiny_server: str) -> None:
 
 
 # ---- the picker's side of the protocol, on plain data (no proxy here sends a subset hint) -------------------
-def _forwarder(*urls: str) -> Forwarder:
+def _router(*urls: str) -> Router:
     pool = EndpointPool()
     pool.set_urls(urls)
     for i, url in enumerate(urls):  # engine i has i requests running: least-request ranks them in this order
         pool.record_scrape(url, EngineLoad(kv_cache_usage=0.1, num_running=i, num_waiting=0))
-    return Forwarder(GatewayConfig(routing="least-request"), None, pool, PrefixRouting(), GatewayMetrics())
+    return Router(GatewayConfig(routing="least-request"), pool, PrefixRouting(), GatewayMetrics())
 
 
 def _with_subset(value) -> pb.ProcessingRequest:
@@ -168,8 +168,8 @@ def _with_subset(value) -> pb.ProcessingRequest:
 
 
 def test_the_picker_names_the_best_engine_then_the_next_best_in_header_and_metadata() -> None:
-    forwarder = _forwarder("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
-    urls = pick_destinations(forwarder, PromptKeys([]))
+    router = _router("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
+    urls = pick_destinations(router, PromptKeys([]))
     assert urls == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
     message = route_to(urls, None, None)
     [header] = [h.header for h in message.request_body.response.header_mutation.set_headers
@@ -197,9 +197,9 @@ def test_engines_are_named_by_address_as_envoy_names_its_hosts() -> None:
     ([], []),
 ])
 def test_the_picker_picks_only_within_the_proxys_subset_hint(hint, expected) -> None:
-    forwarder = _forwarder("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
+    router = _router("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
     subset = subset_hint(_with_subset(hint))
-    assert pick_destinations(forwarder, PromptKeys([]), subset=subset) == expected
+    assert pick_destinations(router, PromptKeys([]), subset=subset) == expected
     assert subset_hint(pb.ProcessingRequest(request_headers=pb.HttpHeaders())) is None  # no hint: the whole pool
 
 

@@ -1,5 +1,5 @@
 """The engines as the gateway's Envoy knows them: their addresses, the EDS file Envoy reads them from, and the
-picker's ordered destination list (the chosen engine, then the next best) of the Inference Extension's protocol.
+picker's ordered destination list (the router's choice, then the next best) of the Inference Extension's protocol.
 
 Envoy retries onto another engine only among its cluster's members (the override-host load balancer tries the
 picker's list in order), so the gateway's engine pool is mirrored into an EDS file that Envoy watches. The file is
@@ -22,9 +22,7 @@ from urllib.parse import urlsplit
 from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.envoy.bootstrap import ENGINES_CLUSTER
 from kvfleet.gateway.prefix.worth import PromptKeys
-from kvfleet.gateway.proxy import Forwarder
-from kvfleet.gateway.routing.pick import RoutingContext, pick
-from kvfleet.gateway.routing.strategies import strategy_named
+from kvfleet.gateway.routing.router import Router
 
 log = logging.getLogger("kvfleet.gateway.envoy")
 
@@ -49,32 +47,15 @@ def in_subset(address: str, subset: frozenset[str]) -> bool:
     return address in subset or address.rsplit(":", 1)[0].strip("[]") in subset
 
 
-def pick_destinations(forwarder: Forwarder, hashes: PromptKeys, subset: frozenset[str] | None = None,
+def pick_destinations(router: Router, hashes: PromptKeys, subset: frozenset[str] | None = None,
                       critical: bool = False) -> list[str]:
-    """The engine the gateway's routing picks (unchanged), then the next best for Envoy's retry, all within the
-    subset hint when the proxy sent one; empty when no healthy engine may serve. The request was admitted (the
-    fleet had room, or it was released from the queue): a saturated engine is picked rather than none, as the
-    Python proxy does (requests admitted together can fill the fleet before their picks). `critical`: a critical
-    request, routed as Forwarder.choose routes one."""
+    """The picker's destination list: the router's choice, then the next best for Envoy's retry, all within the
+    proxy's subset hint when it sent one; empty when no healthy engine may serve. The request was admitted (the
+    fleet had room, or it was released from the queue): a saturated engine is named rather than none."""
     outside = frozenset()
     if subset is not None:
-        outside = frozenset(url for url in forwarder.pool.urls() if not _address_in(url, subset))
-    chosen = forwarder.choose(hashes, outside, must=True, critical=critical)
-    if chosen is None:
-        return []
-    urls = [chosen]
-    config = forwarder.config
-    strategy = strategy_named(config.routing, config.weights, config.saturation)
-    snapshots = forwarder.pool.snapshots()
-    for _ in range(FALLBACKS):
-        # turn 0: round-robin's rotation belongs to the first choices; a fallback is only used when one fails
-        context = RoutingContext(forwarder.prefix.matches(hashes), outside | frozenset(urls), must=True, turn=0,
-                                 num_tokens=hashes.est_tokens)
-        fallback = pick(strategy, snapshots, context, forwarder.rng)
-        if fallback is None:
-            break
-        urls.append(fallback.url)
-    return urls
+        outside = frozenset(url for url in router.pool.urls() if not _address_in(url, subset))
+    return router.rank(hashes, outside, must=True, critical=critical, fallbacks=FALLBACKS)
 
 
 def _address_in(url: str, subset: frozenset[str]) -> bool:

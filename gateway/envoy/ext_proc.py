@@ -143,16 +143,14 @@ class EndpointPicker(ExternalProcessorServicer):
         path = request_headers.get(":path", "").split("?", 1)[0]
         gateway, admitted = await front.admit(path, request_headers, read_body, priority, is_disconnected, on_queue,
                                               stream_usage=self.feed is not None, on_fleet=on_fleet)
-        urls = pick_destinations(gateway.forwarder, admitted.hashes, subset, priority is Priority.CRITICAL)
+        urls = pick_destinations(gateway.router, admitted.hashes, subset, priority is Priority.CRITICAL)
         url = urls[0] if urls else None  # the chosen engine; the rest are Envoy's fallbacks
         if url is None:
             if admitted.settlement is not None:
                 admitted.settlement.refund()  # nothing will be generated, as the Python proxy refunds
             raise APIError(503, "no engine is available; retry later", "service_unavailable", code="no_engine",
                            headers={headers.RETRY_AFTER: "1"})
-        gateway.pool.record_dispatch(url, gateway.prefix.uncached_tokens(admitted.hashes, url))
-        gateway.metrics.labelled(gateway.metrics.routed, url).inc()
-        gateway.prefix.record(admitted.hashes, url)
+        gateway.router.dispatched(admitted.hashes, url)
         message = route_to(urls, admitted.body if admitted.changed else None, gateway.config.engine_api_key,
                            request_id)
         if self.feed is not None:  # the ticket Envoy's access log entry brings back with the answer's usage

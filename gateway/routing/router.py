@@ -1,0 +1,62 @@
+"""The one owner of the routing decision: ranks the engines for a request (its choice, then the fallbacks a retry
+takes) and records where it went. The Python proxy and the Envoy picker both route through it."""
+
+from __future__ import annotations
+
+import random
+
+from kvfleet.gateway.config import GatewayConfig
+from kvfleet.gateway.engines.pool import EndpointPool
+from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
+from kvfleet.gateway.routing.pick import RoutingContext, pick
+from kvfleet.gateway.routing.strategies import strategy_named
+
+
+class Router:
+    def __init__(self, config: GatewayConfig, pool: EndpointPool, prefix: PrefixRouting, metrics: GatewayMetrics,
+                 rng: random.Random | None = None) -> None:
+        self.config, self.pool, self.prefix, self.metrics = config, pool, prefix, metrics
+        self.rng = rng or random.Random()
+        self._turn = 0
+
+    def rank(self, hashes: PromptKeys, exclude: frozenset[str] = frozenset(), must: bool = False,
+             critical: bool = False, fallbacks: int = 0) -> list[str]:
+        """The engine for a request, then up to `fallbacks` next best for a retry elsewhere (picked as an admitted
+        request is: a saturated engine rather than none); empty when no engine may serve it. `must`: the request
+        was admitted, so a saturated engine is picked rather than none; `critical`: a critical request, which
+        --critical-first routes past saturation. The choice is counted in kvfleet_gateway_routing_decisions."""
+        self._turn += 1
+        c = self.config
+        strategy = strategy_named(c.routing, c.weights, c.saturation)
+        matches = self.prefix.matches(hashes)
+        snapshots = self.pool.snapshots()
+        request = RoutingContext(matches, exclude, must, turn=self._turn, num_tokens=hashes.est_tokens)
+        chosen = pick(strategy, snapshots, request, self.rng, c.saturation if critical and c.critical_first else None)
+        if chosen is None:
+            return []
+        self.metrics.labelled(self.metrics.routing_decisions, self.prefix.reason(matches, chosen.url)).inc()
+        urls = [chosen.url]
+        for _ in range(fallbacks):
+            # turn 0: round-robin's rotation belongs to the first choices; a fallback is only used when one fails
+            context = RoutingContext(matches, exclude | frozenset(urls), must=True, turn=0,
+                                     num_tokens=hashes.est_tokens)
+            fallback = pick(strategy, snapshots, context, self.rng)
+            if fallback is None:
+                break
+            urls.append(fallback.url)
+        return urls
+
+    def choose(self, hashes: PromptKeys, exclude: frozenset[str] = frozenset(), must: bool = False,
+               critical: bool = False) -> str | None:
+        """The engine for a request (rank's first), or None."""
+        ranked = self.rank(hashes, exclude, must, critical)
+        return ranked[0] if ranked else None
+
+    def dispatched(self, hashes: PromptKeys, url: str) -> None:
+        """The request goes to url: the prompt tokens the engine likely computes for it count on the engine until
+        its next scrape, the routed metric counts it, and the prefix it sends is taken as held there (the next
+        requests sharing it follow before the engine's own events say so)."""
+        self.pool.record_dispatch(url, self.prefix.uncached_tokens(hashes, url))
+        self.metrics.labelled(self.metrics.routed, url).inc()
+        self.prefix.record(hashes, url)
