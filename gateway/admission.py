@@ -1,12 +1,17 @@
-"""What happens to a request on arrival: route it now, queue it, or refuse it (the shedding verdict, pure)."""
+"""What happens to a request on arrival: route it now, queue it, or refuse it (the shedding verdict, pure), and the
+refusals' answers: what each says, its status and code, and when to come back."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kvfleet.fleet import headers
+from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.headers import PRIORITY as PRIORITY_HEADER
 from kvfleet.fleet.priority import Priority
+from kvfleet.gateway.queue.order import Placement, Refusal
+from kvfleet.gateway.queue.wait import predicted_wait_s, retry_after_s
 
 
 class Action(StrEnum):
@@ -38,3 +43,32 @@ def admit(priority: Priority, fleet_has_capacity: bool, queued_total: int, queue
         return Verdict(Action.SHED, "queue_full", f"the fleet queue for {priority.value} requests is full "
                                                   f"({class_cap} waiting); retry later")
     return Verdict(Action.QUEUE)
+
+
+def shed_refusal(reason: str, message: str, retry_after: int) -> APIError:
+    """A shed request's 429: its reason in the code, and when to come back."""
+    return APIError(429, message, "rate_limit_exceeded", code=f"shed_{reason}",
+                    headers={headers.RETRY_AFTER: str(retry_after)})
+
+
+def queue_refusal(priority: Priority, tenant: str, placement: Placement, rate: float | None, max_queue_ms: float,
+                  class_cap: int, queued: int) -> tuple[str, APIError]:
+    """Why the fleet queue would not take a request, and the answer: its class or its tenant is at its cap (429),
+    or the queue ahead of it would not drain by its deadline at the fleet's drain rate `rate` (503; 429 for
+    sheddable), each with a Retry-After (a full class's: once the `queued` entries have drained)."""
+    if placement.refusal is Refusal.CLASS_FULL:
+        return "queue_full", shed_refusal("queue_full", f"the fleet queue for {priority.value} requests is full "
+                                                        f"({class_cap} waiting); retry later",
+                                          retry_after_s(queued, rate))
+    if placement.refusal is Refusal.TENANT_FULL:
+        wait = retry_after_s(placement.ahead, rate)
+        return "tenant_queue_full", shed_refusal(
+            "tenant_queue_full", f"tenant {tenant!r} already has {placement.ahead} requests waiting in the fleet "
+                                 f"queue, the most it may (max_queued); retry in {wait} s", wait)
+    wait, retry = predicted_wait_s(placement.ahead, rate), retry_after_s(placement.ahead, rate, max_queue_ms)
+    return "deadline_predicted", APIError(
+        429 if priority is Priority.SHEDDABLE else 503,
+        f"about {wait:.1f} s of queued work is ahead of this request ({placement.ahead} requests, the fleet serving "
+        f"{rate:.2f}/s), longer than the {max_queue_ms:.0f} ms it may wait ({headers.MAX_QUEUE_MS}); retry in "
+        f"{retry} s, or allow a longer wait", "service_unavailable", code="queue_deadline_unreachable",
+        headers={headers.RETRY_AFTER: str(retry)})

@@ -11,8 +11,9 @@ from collections.abc import Callable
 import uvicorn
 
 from kvfleet.fleet.http_server import server_config
-from kvfleet.gateway.app import Gateway, build_app
+from kvfleet.gateway.app import build_app
 from kvfleet.gateway.config import GatewayConfig
+from kvfleet.gateway.core import Gateway
 from kvfleet.gateway.prefix.worth import Tokenize
 
 

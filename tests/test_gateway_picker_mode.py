@@ -157,8 +157,9 @@ def test_ready_is_503_while_the_picker_does_not_serve() -> None:
     answer 503 picker_unavailable."""
     from starlette.testclient import TestClient
 
-    from kvfleet.gateway.app import Gateway, build_app
+    from kvfleet.gateway.app import build_app
     from kvfleet.gateway.config import GatewayConfig
+    from kvfleet.gateway.core import Gateway
 
     with TestClient(build_app(Gateway(GatewayConfig(data_plane="python")))) as client:
         assert client.get("/ready").status_code == 200  # no picker in this process: as ever

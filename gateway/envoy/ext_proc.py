@@ -26,7 +26,7 @@ from google.protobuf.duration_pb2 import Duration
 from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.priority import DEFAULT_PRIORITY, Priority, parse_priority
-from kvfleet.gateway.app import Gateway, request_id_from
+from kvfleet.gateway.core import Gateway, request_id_from
 from kvfleet.gateway.engines.pool import nothing_counted
 from kvfleet.gateway.envoy.bootstrap import PICKER_MARGIN_S
 from kvfleet.gateway.envoy.eds import pick_destinations

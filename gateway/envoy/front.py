@@ -18,7 +18,8 @@ import uvicorn
 
 from kvfleet.fleet.http_server import server_config
 from kvfleet.fleet.ports import free_ports
-from kvfleet.gateway.app import Gateway, build_app
+from kvfleet.gateway.app import build_app
+from kvfleet.gateway.core import Gateway
 from kvfleet.gateway.envoy.bootstrap import build_bootstrap
 from kvfleet.gateway.envoy.eds import EndpointsFile
 from kvfleet.gateway.envoy.feed import EnvoyFeed

@@ -24,7 +24,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import add_ExternalPr
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvfleet.fleet.http_server import server_config
-from kvfleet.gateway.app import Gateway, build_app
+from kvfleet.gateway.app import build_app
+from kvfleet.gateway.core import Gateway
 from kvfleet.gateway.envoy.eds import EndpointsFile
 from kvfleet.gateway.envoy.ext_proc import EndpointPicker, picker_server
 from kvfleet.gateway.envoy.feed import EnvoyFeed

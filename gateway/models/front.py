@@ -16,7 +16,6 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-from fastapi import Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -24,8 +23,8 @@ from prometheus_client.metrics_core import Metric
 from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.priority import Priority
-from kvfleet.gateway.app import Admitted, Gateway, check_body, handle_request
 from kvfleet.gateway.config import GatewayConfig
+from kvfleet.gateway.core import Admitted, Gateway, check_body
 from kvfleet.gateway.degradation import fallback_allowed, fallback_header_value
 from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.limits.access import authenticate
@@ -151,9 +150,6 @@ class ModelFront:
         log.info("models: %s", ", ".join(sorted(wanted)) or "none")
 
     # ---- one request --------------------------------------------------------------------------------------
-    async def handle(self, request: Request, path: str) -> Response:
-        return await handle_request(self, request, path)
-
     async def admit(self, path: str, request_headers: Mapping[str, str], read_body: Callable[[], Awaitable[bytes]],
                     priority: Priority, is_disconnected: Callable[[], Awaitable[bool]],
                     on_queue: Callable[[float], Awaitable[None]] | None = None, stream_usage: bool = True,
