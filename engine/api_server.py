@@ -69,7 +69,7 @@ class ServerState:
     vllm_kv_events: VllmKVEvents = field(default_factory=VllmKVEvents)  # vLLM's discovery and ZMQ publisher
 
     def __post_init__(self) -> None:
-        self.metrics = EngineMetrics(lambda: self.engine.engine.stats() if self.engine is not None else None)
+        self.metrics = EngineMetrics(lambda: self.engine.stats() if self.engine is not None else None)
 
     def require_engine(self) -> AsyncEngine:
         if self.draining:
@@ -159,7 +159,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
         _check_request(engine, body, len(prompts))
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                check_prompt_chars(len(prompt), engine.engine.max_model_len, engine.engine.tokenizer.max_token_chars,
+                check_prompt_chars(len(prompt), engine.max_model_len, engine.tokenizer.max_token_chars,
                                    "prompt" if len(prompts) == 1 else f"prompt.{i}")
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = _params(body, max_tokens, body.logprobs)
@@ -169,7 +169,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
                            "compute; send one of them", param="echo")
         echo = await asyncio.to_thread(_echo_texts, engine, prompts, body.skip_special_tokens) if body.echo else []
         streams = await _start_choices(state, engine, prompts, params, body.n, request_id, body.priority)
-        reply = Reply(request_id, state.model_name, engine.engine.tokenizer, body.n, echo=echo)
+        reply = Reply(request_id, state.model_name, engine.tokenizer, body.n, echo=echo)
         if body.stream:
             return sse(completion_events(reply, streams, _include_usage(body)))
         return await _unless_disconnected(request, completion_body(reply, streams))
@@ -181,21 +181,21 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
         _check_request(engine, body, 1)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            check_prompt_chars(sum(len(m["content"]) for m in messages), engine.engine.max_model_len,
-                               engine.engine.tokenizer.max_token_chars, "messages")
-            prompt = await asyncio.to_thread(engine.engine.tokenizer.apply_chat_template, messages, True,
+            check_prompt_chars(sum(len(m["content"]) for m in messages), engine.max_model_len,
+                               engine.tokenizer.max_token_chars, "messages")
+            prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages, True,
                                              body.continue_final_message)
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         max_tokens = body.effective_max_tokens()
         if max_tokens is None:  # as vLLM: whatever room the context leaves
-            max_tokens = max(1, engine.engine.max_model_len - len(prompt))
+            max_tokens = max(1, engine.max_model_len - len(prompt))
         params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _start_choices(state, engine, [prompt], params, body.n, request_id, body.priority)
         last = messages[-1]
         echo = [last["content"]] if body.echo and last["role"] == "assistant" else []
-        reply = Reply(request_id, state.model_name, engine.engine.tokenizer, body.n, echo=echo)
+        reply = Reply(request_id, state.model_name, engine.tokenizer, body.n, echo=echo)
         if body.stream:
             return sse(chat_events(reply, streams, _include_usage(body)))
         return await _unless_disconnected(request, chat_body(reply, streams))
@@ -241,7 +241,7 @@ def _check_model(state: ServerState, body: SamplingRequest) -> None:
 
 def _check_request(engine: AsyncEngine, body: SamplingRequest, num_prompts: int) -> None:
     try:
-        check_against_model(body, engine.engine.model_config.vocab_size, num_prompts)
+        check_against_model(body, engine.vocab_size, num_prompts)
     except RequestSchemaError as err:
         raise APIError(400, err.message, param=err.param) from None
 
@@ -258,8 +258,8 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
 def _echo_texts(engine: AsyncEngine, prompts: list[str | list[int]], skip_special_tokens: bool) -> list[str]:
     """The prompts as echo repeats them: text as sent, token ids decoded. Ids outside the vocabulary and prompts longer
     than the context are left to the engine, which refuses them with a 400 before anything runs: none is decoded."""
-    tokenizer, vocab = engine.engine.tokenizer, engine.engine.model_config.vocab_size
-    longest = engine.engine.max_model_len
+    tokenizer, vocab = engine.tokenizer, engine.vocab_size
+    longest = engine.max_model_len
     return [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=skip_special_tokens)
             if len(p) <= longest and all(0 <= t < vocab for t in p) else "" for p in prompts]
 

@@ -13,14 +13,16 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvfleet.engine.kv_event_hub import KVEventHub
-from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.llm_engine import EngineStats, LLMEngine
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.request_log import log_finished
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.sequence import Sequence
+from kvfleet.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("kvfleet.engine")
 
@@ -56,6 +58,27 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    # ---- what the HTTP servers read of the engine: fixed at load, or a snapshot (stats) --------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def model_dir(self) -> Path:
+        return self.engine.model_dir
+
+    def stats(self) -> EngineStats:
+        """The engine's counts now (blocks, running and waiting requests, prefix hits)."""
+        return self.engine.stats()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True

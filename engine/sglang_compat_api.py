@@ -23,7 +23,7 @@ def install_sglang_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 -
     def model_info() -> dict:
         # As an SGLang server started on a local directory: its path, where a router on the same host can read the
         # tokenizer (smg and sglang-router try to load one; elsewhere they warn once and route without it).
-        path = str(state.engine.engine.model_dir) if state.engine is not None else state.model_name
+        path = str(state.engine.model_dir) if state.engine is not None else state.model_name
         return {"model_path": path, "tokenizer_path": path, "served_model_name": state.model_name,
                 "is_generation": True, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
                 "preferred_sampling_params": None,
@@ -37,13 +37,13 @@ def install_sglang_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 -
             "model_id": state.model_name, "instance_id": events.instance_id, "kv_block_size": events.block_size,
             "page_size": events.block_size}
         if state.engine is not None:
-            engine = state.engine.engine
-            info |= {"context_length": engine.max_model_len, "max_running_requests": engine.config.max_num_seqs,
-                     "max_total_num_tokens": engine.block_manager.num_blocks * events.block_size}
+            stats = state.engine.stats()
+            info |= {"context_length": state.engine.max_model_len, "max_running_requests": stats.max_num_seqs,
+                     "max_total_num_tokens": stats.kv_blocks_total * events.block_size}
         return info
 
     def load() -> list[dict]:
-        stats = state.engine.engine.stats() if state.engine is not None else None
+        stats = state.engine.stats() if state.engine is not None else None
         running, waiting = (stats.num_running, stats.num_waiting) if stats else (0, 0)
         used_tokens = (stats.kv_blocks_total - stats.kv_blocks_free) * state.vllm_kv_events.block_size if stats else 0
         return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting,

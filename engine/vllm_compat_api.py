@@ -39,7 +39,7 @@ def install_vllm_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - a
     @app.post("/v1/completions/render")
     async def render_completion(body: CompletionRequest) -> list[dict]:
         engine = state.require_engine()
-        tokenizer = engine.engine.tokenizer
+        tokenizer = engine.tokenizer
         prompts = [body.prompt] if isinstance(body.prompt, str) or not body.prompt or isinstance(
             body.prompt[0], int) else list(body.prompt)
         if len(prompts) > MAX_PROMPTS:
@@ -47,7 +47,7 @@ def install_vllm_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - a
         out = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                check_prompt_chars(len(prompt), engine.engine.max_model_len, tokenizer.max_token_chars,
+                check_prompt_chars(len(prompt), engine.max_model_len, tokenizer.max_token_chars,
                                    f"prompt.{i}")
                 prompt = await asyncio.to_thread(tokenizer.encode, prompt)
             out.append(_rendered(state.model_name, list(prompt)))
@@ -56,10 +56,10 @@ def install_vllm_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - a
     @app.post("/v1/chat/completions/render")
     async def render_chat(body: ChatCompletionRequest) -> dict:
         engine = state.require_engine()
-        tokenizer = engine.engine.tokenizer
+        tokenizer = engine.tokenizer
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            check_prompt_chars(sum(len(m["content"]) for m in messages), engine.engine.max_model_len,
+            check_prompt_chars(sum(len(m["content"]) for m in messages), engine.max_model_len,
                                tokenizer.max_token_chars, "messages")
             token_ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
         except ValueError as err:
@@ -70,7 +70,7 @@ def install_vllm_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - a
     async def tokenize(body: TokenizeRequest) -> dict:
         engine = state.require_engine()
         check_model_name(state.model_name, body.model)
-        tokenizer, max_model_len = engine.engine.tokenizer, engine.engine.max_model_len
+        tokenizer, max_model_len = engine.tokenizer, engine.max_model_len
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either prompt (text) or messages (a chat), not both or neither", param="prompt")
         try:
@@ -92,7 +92,7 @@ def install_vllm_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - a
     async def detokenize(body: DetokenizeRequest) -> dict:
         engine = state.require_engine()
         check_model_name(state.model_name, body.model)
-        vocab, limit = engine.engine.model_config.vocab_size, engine.engine.max_model_len * MAX_PROMPTS
+        vocab, limit = engine.vocab_size, engine.max_model_len * MAX_PROMPTS
         if len(body.tokens) > limit:
             raise APIError(400, f"tokens: at most {limit} token ids per request, got {len(body.tokens)}",
                            param="tokens")
@@ -100,7 +100,7 @@ def install_vllm_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - a
         if bad is not None:
             raise APIError(400, f"tokens.{bad} must be a token id in [0, {vocab}), got {body.tokens[bad]}",
                            param=f"tokens.{bad}")
-        return {"prompt": await asyncio.to_thread(engine.engine.tokenizer.decode, body.tokens)}
+        return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, body.tokens)}
 
 
 def _rendered(model: str, token_ids: list[int]) -> dict:
