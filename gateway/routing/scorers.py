@@ -1,6 +1,6 @@
 """Routing signals, one class per signal (after llm-d's scorer plugins): each scores the candidate engines in [0, 1].
 
-A new signal is a new class here plus its weight in a strategy; the picker in routing.py combines them.
+A new signal is a new class here plus its weight in a strategy; the picker in pick.py combines them.
 """
 
 from __future__ import annotations
