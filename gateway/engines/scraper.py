@@ -21,6 +21,7 @@ from collections.abc import Callable
 import aiohttp
 
 from kvfleet.fleet.load import METRICS_QUERY, MetricsParseError, parse_engine_load
+from kvfleet.gateway.engines.loops import PerEngineLoops
 from kvfleet.gateway.engines.pool import EndpointPool
 
 log = logging.getLogger(__name__)
@@ -37,24 +38,15 @@ class Scraper:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
                                              timeout=aiohttp.ClientTimeout(total=timeout_s),
                                              cookie_jar=aiohttp.DummyCookieJar())
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._loops = PerEngineLoops(self._loop, "scrape", on_leave=lambda url: self._silent_since.pop(url, None))
         self._silent_since: dict[str, float] = {}  # start of the first of the scrapes timing out in a row
 
     def sync(self) -> None:
         """Start a loop for each new endpoint and stop the loops of those that left."""
-        for url in list(self._tasks):
-            if url not in self.pool.endpoints:
-                self._tasks.pop(url).cancel()
-                self._silent_since.pop(url, None)
-        for url in self.pool.endpoints:
-            if url not in self._tasks:
-                self._tasks[url] = asyncio.create_task(self._loop(url), name=f"scrape {url}")
+        self._loops.sync(self.pool.endpoints)
 
     async def stop(self) -> None:
-        for task in self._tasks.values():
-            task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-        self._tasks.clear()
+        await self._loops.stop()
         await self.session.close()
 
     async def _loop(self, url: str) -> None:

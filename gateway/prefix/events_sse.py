@@ -17,6 +17,7 @@ import aiohttp
 
 from kvfleet.fleet.headers import AUTHORIZATION
 from kvfleet.fleet.kv_events import KV_EVENTS_PATH, EventBatch, KVEventError, decode_batch
+from kvfleet.gateway.engines.loops import PerEngineLoops
 from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix.events_zmq import ZmqEventSubscriber
@@ -42,24 +43,15 @@ class KVEventFollower:
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=SILENCE_S),
             cookie_jar=aiohttp.DummyCookieJar())
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._loops = PerEngineLoops(self._loop, "kv events", on_leave=index.forget)
         self.zmq = ZmqEventSubscriber(index, metrics)
 
     def sync(self) -> None:
         """Follow each new engine; stop following (and forget) those that left."""
-        for url in list(self._tasks):
-            if url not in self.pool.endpoints:
-                self._tasks.pop(url).cancel()
-                self.index.forget(url)
-        for url in self.pool.endpoints:
-            if url not in self._tasks:
-                self._tasks[url] = asyncio.create_task(self._loop(url), name=f"kv events {url}")
+        self._loops.sync(self.pool.endpoints)
 
     async def stop(self) -> None:
-        for task in self._tasks.values():
-            task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-        self._tasks.clear()
+        await self._loops.stop()
         await self.session.close()
         self.zmq.close()
 
