@@ -14,7 +14,7 @@ for i in $(seq 1 "$runs"); do
   if [ "$i" = 1 ]; then bash scripts/test.sh -p no:cacheprovider > "run$i.log" 2>&1
   else (. .venv-test/bin/activate && python -m pytest -q -p no:cacheprovider) > "run$i.log" 2>&1; fi
   rc=$?
-  echo "run $i: exit $rc in $(( $(date +%s) - start )) s: $(grep -E '^=+ .*(passed|failed).* =+$' "run$i.log" | tail -n 1)"
+  echo "run $i: exit $rc in $(( $(date +%s) - start )) s: $(grep -E '[0-9]+ (passed|failed)' "run$i.log" | tail -n 1)"
 done
 echo "failed in any run:"
 cat run*.log | grep -E '^(FAILED|ERROR) ' | sed 's/ - .*//' | sort | uniq -c | sort -rn

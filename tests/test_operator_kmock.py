@@ -54,6 +54,16 @@ def api(tmp_path_factory):
     emulator.stop()
 
 
+def scaled_fleet(api_client, name: str) -> dict:
+    """The fleet once its status records the scaling decision: the operator writes the record (scalingHistory, the
+    autoscaler's state) in a status patch of its own, after the scale itself."""
+    def recorded() -> dict | None:
+        fleet = client.CustomObjectsApi(api_client).get_namespaced_custom_object(*FLEETS, name)
+        status = fleet.get("status", {})
+        return fleet if status.get("scalingHistory") and "autoscaler" in status else None
+    return eventually(recorded)
+
+
 def eventually(check, timeout: float = 20.0):
     deadline = time.monotonic() + timeout
     last: Exception | None = None
@@ -187,7 +197,7 @@ def test_high_kv_usage_scales_up_within_a_period_and_low_scales_down_after_the_w
     eventually(lambda: replicas(api_client, "auto") == 3, timeout=15)  # ceil(2 × 0.95 / 0.7)
     eventually(lambda: client.AppsV1Api(api_client).read_namespaced_deployment("auto-engine", NS)
                .spec.replicas == 3)
-    fleet = client.CustomObjectsApi(api_client).get_namespaced_custom_object(*FLEETS, "auto")
+    fleet = scaled_fleet(api_client, "auto")
     [entry] = fleet["status"]["scalingHistory"]
     assert (entry["from"], entry["to"]) == (2, 3) and entry["reason"].startswith("up")
     assert entry["kvCacheUsage"] == 0.95 and fleet["status"]["kvCachePercent"] == 95
@@ -240,7 +250,7 @@ def test_the_slo_planner_sizes_a_fleet_from_the_gateways_counts_and_the_engines_
     client.CoreV1Api(api_client).create_namespaced_pod(NS, engine_pod("planned", "planned-engine-0", metrics.port))
     # 3 req/s × (136/480 + 64/116) s of a pod each, at 90 % utilization: ceil(2.6-2.8) = 3 pods
     eventually(lambda: replicas(api_client, "planned") == 3, timeout=15)
-    fleet = client.CustomObjectsApi(api_client).get_namespaced_custom_object(*FLEETS, "planned")
+    fleet = scaled_fleet(api_client, "planned")
     auto = fleet["status"]["autoscaler"]
     assert auto["planner"]["capacity"] == {"prefillTokensPerSecond": 480.0, "decodeTokensPerSecond": 116.0}
     [entry] = fleet["status"]["scalingHistory"]
@@ -265,5 +275,5 @@ def test_a_vllm_fleet_gets_vllm_pods_and_scales_on_vllms_metrics(api) -> None:
     for i in range(2):
         core.create_namespaced_pod(NS, engine_pod("vl", f"vl-engine-{i}", metrics.port))
     eventually(lambda: replicas(api_client, "vl") == 3, timeout=15)  # ceil(2 x 0.95 / 0.7): its own pods only
-    fleet = client.CustomObjectsApi(api_client).get_namespaced_custom_object(*FLEETS, "vl")
+    fleet = scaled_fleet(api_client, "vl")
     assert fleet["status"]["scalingHistory"][0]["kvCacheUsage"] == 0.95
