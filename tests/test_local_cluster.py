@@ -34,7 +34,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:Deprec
 
 
 def pod(name: str, ready: bool) -> PodProcess:
-    return PodProcess(name, "chat-engine", None, 0, None, ready)  # type: ignore[arg-type]
+    return PodProcess(name, "chat-engine", None, 0, None, ready=ready)  # type: ignore[arg-type]
 
 
 def test_a_replicaset_stops_not_ready_pods_first_then_the_newest() -> None:

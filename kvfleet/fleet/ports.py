@@ -28,3 +28,12 @@ def free_ports(count: int, host: str = "127.0.0.1", avoid: Collection[int] = ())
 def free_port(host: str = "127.0.0.1") -> int:
     """One port free on `host` now (see free_ports: choose the ports of processes started together in one call)."""
     return free_ports(1, host)[0]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False

@@ -1,0 +1,159 @@
+"""The fleet on real vLLM engines: `kvfleet up --runtime vllm` (two vLLM engines, one core each, behind kvfleet's
+gateway), asked as a user would, with the official OpenAI client where it applies. vLLM's own counters are the
+referee: the prefix hits the gateway's index predicts are the hits vLLM then reports.
+
+The engines start once for the session (tests/vllm_engines.py); every test leaves them idle."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from kvfleet.fleet import headers
+from kvfleet.gateway.routing.pick import SaturationPolicy
+from tests.conftest import start_engine_server, start_gateway, stop_process
+from tests.vllm_engines import BLOCK_SIZE, MAX_NUM_SEQS, SERVED, metric
+
+CHUNK_FIELDS = {"id", "object", "created", "model", "choices", "usage"}  # an OpenAI stream chunk's
+
+
+@pytest.fixture
+def vllm(vllm_fleet):
+    vllm_fleet.wait_idle()
+    yield vllm_fleet
+    vllm_fleet.wait_idle()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def system_prompt(words: int = 450) -> str:
+    """A prompt of its own per call, several of vLLM's 128-token blocks long."""
+    tag = uuid.uuid4().hex[:8]
+    return " ".join(f"Rule {k} of deployment {tag}: answer briefly." for k in range(words // 6))
+
+
+def test_up_serves_chat_streams_and_completions_from_vllm_through_the_gateway(vllm) -> None:
+    c = client(vllm.url)
+    chat = c.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Say hi."}], max_tokens=5)
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.choices[0].message.content
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    assert 0 < chat.usage.completion_tokens <= 5
+    chunks = list(c.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Count to 9."}],
+                                            max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    text = c.completions.create(model=SERVED, prompt="The capital of France is", max_tokens=3, temperature=0)
+    assert text.usage.completion_tokens == 3 and text.choices[0].finish_reason == "length"
+
+
+def test_vllm_engines_answer_only_with_the_fleets_token(vllm) -> None:
+    body = {"model": SERVED, "prompt": "Hi", "max_tokens": 1}
+    assert httpx.post(f"{vllm.engines[0]}/v1/completions", json=body, timeout=30).status_code == 401
+    assert httpx.post(f"{vllm.engines[0]}/v1/completions", json=body, headers=vllm.token, timeout=30).status_code == 200
+
+
+def test_a_request_vllm_refuses_gets_vllms_400_and_the_engine_stays_in_the_fleet(vllm) -> None:
+    c = client(vllm.url)
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=10**6)
+    assert refused.value.status_code == 400 and "max" in str(refused.value.body).lower()
+    healthy = httpx.get(f"{vllm.url}/ready", timeout=10).json()["healthy"]
+    assert healthy == 2  # the request's failure, not the engine's
+    assert c.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+
+
+def test_the_gateway_follows_vllms_kv_events_and_the_hits_it_predicts_are_the_hits_vllm_reports(vllm) -> None:
+    system = system_prompt()
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "First question?"}]
+    first = httpx.post(f"{vllm.url}/v1/chat/completions", json={"model": SERVED, "messages": messages,
+                                                                  "max_tokens": 1}, timeout=120)
+    engine = first.headers[headers.ENGINE]
+    k = vllm.engines.index(engine)
+    # The blocks both prompts share, counted by vLLM's own tokenizer and chat template.
+    tokens = [httpx.post(f"{engine}/tokenize", headers=vllm.token, timeout=30, json={
+        "model": SERVED, "messages": [messages[0], {"role": "user", "content": q}]}).json()["tokens"]
+        for q in ("First question?", "A second one?")]
+    shared = next(n for n, (a, b) in enumerate(zip(*tokens, strict=False)) if a != b)
+    full_blocks = shared // BLOCK_SIZE
+    assert full_blocks >= 3, shared
+    deadline_blocks = metric(vllm.url, "kvfleet_gateway_kv_index_blocks", endpoint=engine)
+    assert deadline_blocks >= full_blocks or _wait_for_blocks(vllm.url, engine, full_blocks)
+    hits_before = vllm.engine_metric(k, "vllm:prefix_cache_hits_total")
+    precise_before = metric(vllm.url, "kvfleet_gateway_routing_decisions_total", reason="prefix_precise")
+    messages[1]["content"] = "A second one?"
+    second = httpx.post(f"{vllm.url}/v1/chat/completions", json={"model": SERVED, "messages": messages,
+                                                                   "max_tokens": 1}, timeout=120)
+    assert second.status_code == 200 and second.headers[headers.ENGINE] == engine
+    assert metric(vllm.url, "kvfleet_gateway_routing_decisions_total", reason="prefix_precise") == precise_before + 1
+    assert vllm.engine_metric(k, "vllm:prefix_cache_hits_total") - hits_before == full_blocks * BLOCK_SIZE
+
+
+def _wait_for_blocks(url: str, engine: str, blocks: int, timeout_s: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metric(url, "kvfleet_gateway_kv_index_blocks", endpoint=engine) >= blocks:
+            return True
+        time.sleep(0.1)
+    raise AssertionError(f"the gateway's index never held {blocks} blocks of {engine}")
+
+
+def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_in_vllms(vllm) -> None:
+    """More requests than the two engines' batches and waiting lists hold: the gateway reads vLLM's running and
+    waiting counts, and holds the rest in its fleet queue, releasing each as a slot frees; every request is answered."""
+    import concurrent.futures
+
+    per_engine = MAX_NUM_SEQS + SaturationPolicy().max_queue  # what one engine takes before it counts as saturated
+    total = 3 * per_engine
+    body = {"model": SERVED, "messages": [{"role": "user", "content": "Write a long story about a fleet."}],
+            "max_tokens": 48, "ignore_eos": True}
+    queued_before = metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count")
+    with concurrent.futures.ThreadPoolExecutor(total) as pool:
+        answers = list(pool.map(lambda _: httpx.post(f"{vllm.url}/v1/chat/completions", json=body, timeout=300),
+                                range(total)))
+    assert [a.status_code for a in answers] == [200] * total
+    assert all(a.json()["usage"]["completion_tokens"] == 48 for a in answers)
+    assert metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count") - queued_before >= total - 2 * per_engine
+
+
+def test_a_kvfleet_model_and_a_vllm_model_behind_one_gateway_answer_in_the_same_shapes(
+        vllm, tiny_model_dir, redis_server) -> None:
+    """Mixed fleets: each model its own fleet of its own runtime; the same requests give the same OpenAI shapes."""
+    proc, kvfleet_engine = start_engine_server(tiny_model_dir, "--served-model-name", "tiny", "--api-key",
+                                               vllm.fleet.engine_api_key)
+    gateway = None
+    try:
+        gateway, url = start_gateway("--redis-url", redis_server.url, "--engine", f"tiny={kvfleet_engine}",
+                                     *[f for e in vllm.engines for f in ("--engine", f"{SERVED}={e}")],
+                                     "--engine-api-key", vllm.fleet.engine_api_key)
+        shapes = {}
+        for model in ("tiny", SERVED):
+            plain = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                "ignore_eos": True})
+            stream = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True})
+            refused = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**6})
+            events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
+            shapes[model] = {
+                "status": (plain.status_code, stream.status_code, refused.status_code),
+                "usage": sorted(k for k in plain.json()["usage"] if plain.json()["usage"][k] is not None),
+                "finish": plain.json()["choices"][0]["finish_reason"],
+                # vLLM adds fields of its own (system_fingerprint, ...), which OpenAI clients ignore
+                "stream_end": (events[-1], sorted(CHUNK_FIELDS & set(json.loads(events[-2])))),
+                "error": sorted(refused.json()["error"]),
+                "content_type": stream.headers["content-type"].split(";")[0]}
+        assert shapes["tiny"] == shapes[SERVED], shapes
+    finally:
+        if gateway is not None:
+            stop_process(gateway)
+        stop_process(proc)
