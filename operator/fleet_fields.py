@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfleet.fleet.slo_stats import SLOT_S, STATS_TTL_S
+from kvfleet.fleet.vllm_serve import VLLM_IMAGE
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class FleetField:
 
 DEFAULT_IMAGE = "kvfleet/engine:cpu"
 # spec.runtime: which server the engine pods run, and the image each uses when spec.image is left out
-RUNTIMES = {"kvfleet": DEFAULT_IMAGE, "vllm": "vllm/vllm-openai:v0.11.0"}
+RUNTIMES = {"kvfleet": DEFAULT_IMAGE, "vllm": VLLM_IMAGE}
 DEFAULT_RUNTIME = "kvfleet"
 
 # spec.<name>, read onto FleetSpec.
