@@ -197,25 +197,36 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+class _StopDuringStart(Exception):
+    """A signal came while the fleet was starting."""
+
+
 def run_until_signal(fleet, banner) -> int:
     """Start a local fleet, print banner(fleet), serve until SIGINT/SIGTERM or a failure, then stop it all.
-    `fleet` has start(), watch(stop_requested) and stop(), as LocalFleet and LocalCluster do."""
-    stopping = {"now": False}
+    `fleet` has start(), watch(stop_requested) and stop(), as LocalFleet and LocalCluster do. A signal while it
+    starts ends the start there (vLLM engines take minutes to be ready, or never are)."""
+    stopping = {"now": False, "started": False}
 
     def request_stop(signum: int, frame) -> None:  # noqa: ANN001 - signal handler signature
         stopping["now"] = True
+        if not stopping["started"]:
+            raise _StopDuringStart
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         fleet.start()
+        stopping["started"] = True
         if stopping["now"]:
             return 0
         print(banner(fleet), file=sys.stderr, flush=True)
         return fleet.watch(lambda: stopping["now"])
+    except _StopDuringStart:
+        return 0
     except RuntimeError as err:
         print(f"kvfleet up: {err}", file=sys.stderr)
         return 1
     finally:
+        stopping["started"] = True  # a second signal must not break the stop
         print("kvfleet up: stopping", file=sys.stderr, flush=True)
         fleet.stop()
         for sig, handler in previous.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -18,6 +19,7 @@ from kvfleet.fleet.pods import FLEET_GROUP, FLEET_KIND, FLEET_PLURAL, FLEET_VERS
 from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
 from kvfleet.fleet.sizes import parse_size
 from kvfleet.fleet.slo import DEFAULT_SLO_CLASSES, SloClass
+from kvfleet.fleet.vllm_serve import VLLM_CPU_BLOCK_MULTIPLE
 from kvfleet.operator.autoscaler import AutoscalingPolicy
 from kvfleet.operator.fleet_fields import (
     AUTOSCALING_ENABLED,
@@ -49,7 +51,7 @@ class FleetEngineSettings:
 
     max_model_len: int = fleet_default("max_model_len")
     max_num_seqs: int = fleet_default("max_num_seqs")
-    block_size: int = fleet_default("block_size")
+    block_size: int | None = fleet_default("block_size")  # None: vLLM's own (runtime vllm, unsaid)
     kv_cache_memory: str | None = fleet_default("kv_cache_memory")
     gpu_memory_utilization: float | None = fleet_default("gpu_memory_utilization")
     extra_args: tuple[str, ...] = ()
@@ -195,6 +197,18 @@ def _section(spec: dict[str, Any], key: str) -> dict:
     return section
 
 
+def _vllm_block_size(settings: FleetEngineSettings, said: bool, gpu: bool) -> FleetEngineSettings:
+    """vLLM picks its block size per platform (16 on GPUs; 128 on CPUs, whose attention takes multiples of 32): the
+    fleets' default of 16 is kvfleet's engine's, and vLLM's CPU build refuses it ("No common block size for 16"),
+    so an unsaid blockSize is left to vLLM, and a said one it would refuse is refused here."""
+    if not said:
+        return dataclasses.replace(settings, block_size=None)
+    if not gpu and settings.block_size % VLLM_CPU_BLOCK_MULTIPLE:
+        raise InvalidSpec(f"spec.engine.blockSize {settings.block_size}: vLLM on CPUs takes multiples of "
+                          f"{VLLM_CPU_BLOCK_MULTIPLE} (its default, 128, when blockSize is left out)")
+    return settings
+
+
 def parse_fleet(name: str, namespace: str, spec: dict[str, Any], default_api_key_secret: str | None = None
                 ) -> FleetSpec:
     """The spec as the operator uses it; InvalidSpec names the first field to fix. `default_api_key_secret` is
@@ -220,6 +234,8 @@ def parse_fleet(name: str, namespace: str, spec: dict[str, Any], default_api_key
     if runtime == "vllm" and settings.kv_cache_memory is not None and _has_gpu(resources):
         raise InvalidSpec("spec.engine.kvCacheMemory: vLLM sizes its KV cache on GPUs from gpuMemoryUtilization; "
                           "remove kvCacheMemory and set engine.gpuMemoryUtilization (e.g. 0.9)")
+    if runtime == "vllm":
+        settings = _vllm_block_size(settings, "blockSize" in _section(spec, "engine"), _has_gpu(resources))
     return FleetSpec(
         name=name, namespace=namespace, model=model.strip(), image=spec.get("image") or RUNTIMES[runtime],
         runtime=runtime,

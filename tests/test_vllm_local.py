@@ -159,3 +159,34 @@ def test_the_vllm_command_says_how_to_install_when_there_is_none(tmp_path) -> No
     done = subprocess.run([sys.executable, "-m", "kvfleet.cli", "vllm", "path"], capture_output=True, text=True,
                           env=env, timeout=60)
     assert done.returncode == 1 and "kvfleet vllm install" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_ctrl_c_while_vllm_engines_start_stops_the_start_and_leaves_nothing(tmp_path) -> None:
+    """vLLM takes minutes to be ready, or never is: a signal during `kvfleet up --runtime vllm`'s start ends it
+    there (it used to wait out the ready timeout). The `vllm` here is a stand-in that never answers /health."""
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    from tests.conftest import free_port
+
+    started = tmp_path / "started"
+    fake = tmp_path / "bin" / "vllm"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho $$ >> {started}\nexec sleep 600\n")
+    fake.chmod(0o755)
+    up = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", "up", "--runtime", "vllm", "--vllm", str(fake),
+                           "--engines", "2", "--port", str(free_port())], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (started.exists() and len(started.read_text().split()) == 2) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        engines = [psutil.Process(int(pid)) for pid in started.read_text().split()]
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+        assert "kvfleet up: stopping" in up.stderr.read()
+        assert not [p for p in engines if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        up.kill()

@@ -19,6 +19,7 @@ from kvfleet.fleet.sizes import parse_size
 
 VLLM_VERSION = "0.32.0"  # the vLLM kvfleet is tested with: the managed install's pin and the pods' default image
 VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
+VLLM_CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention takes block sizes in multiples of this (its default: 128)
 KV_EVENTS_PORT = 5557  # vLLM's default ZMQ endpoint port; the replay socket takes the next
 KV_EVENTS_TOPIC = "kv-events"
 KV_EVENTS_CONFIG_FLAG = "--kv-events-config"
