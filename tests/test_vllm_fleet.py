@@ -113,13 +113,13 @@ def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_i
     per_engine = MAX_NUM_SEQS + SaturationPolicy().max_queue  # what one engine takes before it counts as saturated
     total = 3 * per_engine
     body = {"model": SERVED, "messages": [{"role": "user", "content": "Write a long story about a fleet."}],
-            "max_tokens": 24, "ignore_eos": True}
+            "max_tokens": 48, "ignore_eos": True}
     queued_before = metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count")
     with concurrent.futures.ThreadPoolExecutor(total) as pool:
         answers = list(pool.map(lambda _: httpx.post(f"{vllm.url}/v1/chat/completions", json=body, timeout=300),
                                 range(total)))
     assert [a.status_code for a in answers] == [200] * total
-    assert all(a.json()["usage"]["completion_tokens"] == 24 for a in answers)
+    assert all(a.json()["usage"]["completion_tokens"] == 48 for a in answers)
     assert metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count") - queued_before >= total - 2 * per_engine
 
 

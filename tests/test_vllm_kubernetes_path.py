@@ -23,12 +23,18 @@ FLEET = {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceFleet", "metadat
                   "autoscaling": {"enabled": False}}}
 
 
+def children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+
+
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir):
     install = require_vllm()
     cluster = LocalCluster(ClusterSpec(FLEET, port=free_port(), vllm=str(install.executable), ready_timeout_s=400))
+    before = children()  # other tests' processes (the session's vLLM fleet) are not this cluster's
     try:
         cluster.start()
+        cluster.processes = [p for p in children() if p not in before]
         yield cluster
     finally:
         cluster.stop()
@@ -54,7 +60,6 @@ def test_the_operators_vllm_pod_runs_real_vllm_behind_the_gateway_and_its_token(
 
 
 def test_stopping_it_leaves_no_vllm_process_behind(cluster: LocalCluster) -> None:
-    children = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
-    assert any("vllm" in " ".join(p.cmdline()) for p in children)
+    assert any("vllm" in " ".join(p.cmdline()) for p in cluster.processes)
     cluster.stop()
-    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in cluster.processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
