@@ -7,6 +7,7 @@ The engines start once for the session (tests/vllm_engines.py); every test leave
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import httpx
@@ -82,8 +83,7 @@ def test_the_gateway_follows_vllms_kv_events_and_the_hits_it_predicts_are_the_hi
     shared = next(n for n, (a, b) in enumerate(zip(*tokens, strict=False)) if a != b)
     full_blocks = shared // BLOCK_SIZE
     assert full_blocks >= 3, shared
-    deadline_blocks = metric(vllm.url, "kvfleet_gateway_kv_index_blocks", endpoint=engine)
-    assert deadline_blocks >= full_blocks or _wait_for_blocks(vllm.url, engine, full_blocks)
+    wait_for_blocks(vllm.url, engine, full_blocks)  # the index has followed vLLM's events of the first prompt
     hits_before = vllm.engine_metric(k, "vllm:prefix_cache_hits_total")
     precise_before = metric(vllm.url, "kvfleet_gateway_routing_decisions_total", reason="prefix_precise")
     messages[1]["content"] = "A second one?"
@@ -94,15 +94,12 @@ def test_the_gateway_follows_vllms_kv_events_and_the_hits_it_predicts_are_the_hi
     assert vllm.engine_metric(k, "vllm:prefix_cache_hits_total") - hits_before == full_blocks * BLOCK_SIZE
 
 
-def _wait_for_blocks(url: str, engine: str, blocks: int, timeout_s: float = 10.0) -> bool:
-    import time
-
+def wait_for_blocks(url: str, engine: str, blocks: int, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if metric(url, "kvfleet_gateway_kv_index_blocks", endpoint=engine) >= blocks:
-            return True
+    while metric(url, "kvfleet_gateway_kv_index_blocks", endpoint=engine) < blocks:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the gateway's index never held {blocks} blocks of {engine}")
         time.sleep(0.1)
-    raise AssertionError(f"the gateway's index never held {blocks} blocks of {engine}")
 
 
 def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_in_vllms(vllm) -> None:

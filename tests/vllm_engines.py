@@ -1,7 +1,7 @@
-"""Real vLLM engines for the tests, run as kvfleet runs them (kvfleet/vllm_local.py: the managed install, one core
-each, loopback KV events, the fleet's token). vLLM takes about a minute to start on these machines, so the suite starts
-two once (the session fixture `vllm_engines` in conftest.py) and every test that needs one shares them; a test that
-must stop or restart an engine starts its own. Tests leave the engines as they found them: idle, nothing queued.
+"""Real vLLM engines for the tests, run as kvfleet runs them (`kvfleet up --runtime vllm`: the managed install, one
+core each, loopback KV events, the fleet's token). vLLM takes 40 s to a few minutes to start on these machines, so the
+suite starts one such fleet once (the session fixture `vllm_fleet` in conftest.py) and every test that needs it shares
+it; a test that must stop or restart an engine starts its own. Tests leave the engines as they found them: idle.
 
 Without a vLLM install the tests that need one skip, saying how to install it, except where $KVFLEET_REQUIRE_VLLM is
 set (scripts/test.sh, so CI): there a missing vLLM fails the suite.
