@@ -1,5 +1,6 @@
-"""Processes for the gateway benchmarks: an embedded Redis, engines that may differ in --max-num-seqs, and
-gateways that can be restarted with another routing strategy in front of the same engines."""
+"""Processes for the gateway benchmarks: an embedded Redis, engines that may differ in --max-num-seqs (kvfleet's, or
+real vLLM engines from kvfleet's managed install), and gateways that can be restarted with another routing strategy
+in front of the same engines."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from kvfleet.fleet.engine_settings import BENCH, EngineSettings
 from kvfleet.fleet.load import parse_engine_load
 from kvfleet.fleet.ports import free_port
+from kvfleet.fleet.vllm_serve import HEALTH_PATH, serve_args
 from kvfleet.redis_server import RedisServer
 from kvfleet.supervisor import Child, kvfleet_command, stop_together
 from kvfleet.supervisor import spawn as spawn_child
@@ -73,7 +75,8 @@ class BenchFleet:
     max_model_len: int = 512
     kv_cache_memory: str = "32MiB"
     use_redis: bool = True
-    engine_args: list[str] = field(default_factory=list)  # more `kvfleet engine` flags for every engine
+    engine_args: list[str] = field(default_factory=list)  # more `kvfleet engine` (or `vllm serve`) flags for each
+    runtime: str = "kvfleet"  # or "vllm": `vllm serve` engines, one core each, dev mode (/reset_prefix_cache)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvfleet-bench-")))
     engines: list[Child] = field(default_factory=list)
     fallback_engines: list[Child] = field(default_factory=list)  # another model's, FALLBACK_NAME (start_fallback)
@@ -99,6 +102,9 @@ class BenchFleet:
         path = model_dir(self.model)
         if self.use_redis:
             self.redis = RedisServer().start()
+        if self.runtime == "vllm":
+            self._start_vllm_engines(path)
+            return
         for i, seqs in enumerate(self.max_num_seqs):
             port = free_port()
             settings = EngineSettings(model=str(path), max_model_len=self.max_model_len,
@@ -108,6 +114,34 @@ class BenchFleet:
             self.engines.append(spawn(f"engine-{i}-seqs{seqs}", args, f"http://127.0.0.1:{port}", self.log_dir))
         for engine in self.engines:
             wait_for(engine, "/ready")
+
+    def _start_vllm_engines(self, path: Path) -> None:
+        """vLLM engines as `kvfleet up --runtime vllm` runs them (its managed install, one core each, KV events on
+        loopback, 1 GiB of KV space that --num-gpu-blocks-override in engine_args may cap), in dev mode so that a
+        benchmark can empty their prefix caches between arms (reset_prefix_caches)."""
+        from kvfleet.vllm_local import core_groups, engine_env, find_vllm
+
+        install = find_vllm()
+        cores = core_groups(len(self.max_num_seqs))
+        base = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        for i, seqs in enumerate(self.max_num_seqs):
+            port = free_port()
+            argv = [str(install.executable), "serve", *serve_args(
+                str(path), MODEL_NAME, port, host="127.0.0.1", events_port=0, max_model_len=self.max_model_len,
+                max_num_seqs=seqs, extra=self.engine_args)]
+            self.engines.append(spawn_child(f"vllm-{i}-seqs{seqs}", argv, url=f"http://127.0.0.1:{port}",
+                                            log_dir=self.log_dir, env=engine_env(install, base, cores=cores[i],
+                                                                       kv_cache_memory="1GiB")))
+        for engine in self.engines:
+            wait_for(engine, HEALTH_PATH, timeout_s=600.0)
+
+    def reset_prefix_caches(self) -> None:
+        """Empty every vLLM engine's prefix cache (its dev-mode endpoint); the engines must be idle."""
+        for engine in self.engines:
+            request = urllib.request.Request(engine.url + "/reset_prefix_cache", method="POST")
+            with urllib.request.urlopen(request, timeout=30) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"{engine.name}: /reset_prefix_cache answered {response.status}")
 
     def start_fallback(self, model: str, max_num_seqs: int) -> None:
         """One engine of another model, served as FALLBACK_NAME: idle until a gateway names it (with_fallback)."""

@@ -14,8 +14,11 @@ from kvfleet.fleet import metrics as names
 from kvfleet.fleet.headers import ENGINE as ENGINE_HEADER
 from kvfleet.loadgen import SSE_DONE, RequestRecord, sse_data
 
-COUNTERS = {"hits": f"{names.PREFIX_CACHE_HITS}_total", "queries": f"{names.PREFIX_CACHE_QUERIES}_total",
-            "requests": f"{names.E2E_REQUEST_LATENCY}_count", "prompt_tokens": f"{names.PROMPT_TOKENS}_total"}
+# Each counter under kvfleet's engine's name and vLLM's (whichever the engine serves; vLLM's carry labels).
+COUNTERS = {"hits": (f"{names.PREFIX_CACHE_HITS}_total", f"{names.VLLM_PREFIX_CACHE_HITS}_total"),
+            "queries": (f"{names.PREFIX_CACHE_QUERIES}_total", f"{names.VLLM_PREFIX_CACHE_QUERIES}_total"),
+            "requests": (f"{names.E2E_REQUEST_LATENCY}_count", f"{names.VLLM_E2E_REQUEST_LATENCY}_count"),
+            "prompt_tokens": (f"{names.PROMPT_TOKENS}_total", f"{names.VLLM_PROMPT_TOKENS}_total")}
 MAX_LINE = 1 << 20  # an answer's SSE line longer than this is not a chunk of 16 tokens
 
 
@@ -25,10 +28,11 @@ async def read_counters(client: httpx.AsyncClient, engine_urls: list[str]) -> di
         text = (await client.get(url + "/metrics", timeout=10)).text
         found = dict.fromkeys(COUNTERS, 0.0)
         for line in text.splitlines():
-            name, _, value = line.partition(" ")
+            name, _, value = line.rpartition(" ")
+            name = name.partition("{")[0]
             for key, wanted in COUNTERS.items():
-                if name == wanted:
-                    found[key] = float(value)
+                if name in wanted:
+                    found[key] += float(value)
         return found
 
     return dict(zip(engine_urls, await asyncio.gather(*(one(u) for u in engine_urls)), strict=True))

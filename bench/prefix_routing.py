@@ -16,6 +16,14 @@ the engines' prefix-cache counters are read when the first measured request is s
 The capacity behind --load is measured first: each engine fed straight, --calibrate-inflight requests in flight.
 kvfleet's gateway runs with its defaults (Envoy data plane where installed) and queues in process unless --redis.
 Arms run one after another, so a busy neighbour on this machine skews whichever arm it overlaps.
+
+With --runtime vllm the engines are real vLLM (`vllm serve` from kvfleet's managed install, one core each, bfloat16,
+--vllm-kv-blocks blocks of 128 tokens each, prefix caching and KV events on): vLLM takes minutes to start, so the same
+engines serve every arm, and each arm begins with their prefix caches emptied (vLLM's dev-mode /reset_prefix_cache)
+and its hit rates read from vLLM's own counters as deltas. Every router is fed by the same engines' KV events where
+it can take them (kvfleet's precise index; vllm-router's kv_aware).
+
+    python -m bench.prefix_routing --runtime vllm --arms kvfleet-precise,smg,vllm-router-kv,least-request
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import re
 import shlex
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -78,6 +87,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--engines", type=int, default=2, choices=range(1, 5), help="SmolLM2 engines (1-4)")
     p.add_argument("--kv-cache-memory", default="194MiB", help="each engine's KV cache (194MiB: 4,400 tokens)")
+    p.add_argument("--runtime", choices=("kvfleet", "vllm"), default="kvfleet", help="the engines: kvfleet's or vLLM")
+    p.add_argument("--vllm-kv-blocks", type=int, default=35,
+                   help="each vLLM engine's KV cache in 128-token blocks (35: 4,480 tokens, like 194MiB of kvfleet's)")
+    p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--tenants", type=int, default=40, help="tenants (or open conversations for chats)")
@@ -139,22 +152,36 @@ def start_router(arm: Arm, fleet: BenchFleet) -> tuple[str | list[str], Child | 
 
 
 def engine_capacity_line(engine: Child) -> str:
-    found = re.findall(r"KV cache: [^\n]*", engine.output())
+    found = re.findall(r"KV cache(?: size)?: [^\n]*", engine.output())  # kvfleet's; vLLM's
     return found[-1] if found else "KV cache: (not in the log)"
 
 
 def new_fleet(args: argparse.Namespace, arm: Arm | None = None) -> BenchFleet:
     replicas = arm.replicas if arm is not None else 1
+    if args.runtime == "vllm":  # one fleet for every arm (vLLM publishes its KV events without being asked)
+        return BenchFleet("smollm2-135m-instruct", [args.max_num_seqs] * args.engines,
+                          max_model_len=args.max_model_len, use_redis=True, runtime="vllm",
+                          engine_args=["--dtype", args.vllm_dtype, "--num-gpu-blocks-override",
+                                       str(args.vllm_kv_blocks)])
     return BenchFleet("smollm2-135m-instruct", [args.max_num_seqs] * args.engines, max_model_len=args.max_model_len,
                       kv_cache_memory=args.kv_cache_memory, use_redis=args.redis or replicas > 1,
                       engine_args=list(arm.engine_extra) if arm else [])
 
 
-def run_arm(name: str, args: argparse.Namespace, rate: float) -> dict:
-    """Fresh engines, the arm's router, the workload through it; its figures, or why it did not run."""
+def arm_fleet(args: argparse.Namespace, arm: Arm, shared: BenchFleet | None):
+    """The engines an arm runs on: fresh ones, or the shared (vLLM) ones with their prefix caches emptied."""
+    if shared is None:
+        return new_fleet(args, arm)
+    shared.wait_idle()
+    shared.reset_prefix_caches()
+    return nullcontext(shared)
+
+
+def run_arm(name: str, args: argparse.Namespace, rate: float, shared: BenchFleet | None = None) -> dict:
+    """The arm's router in front of its engines, the workload through it; its figures, or why it did not run."""
     requests = plan(args.workload, args.warmup + max(1, round(rate * args.duration)), rate, args.seed, args.tenants,
                     args.zipf)
-    with new_fleet(args, ARMS[name]) as fleet:
+    with arm_fleet(args, ARMS[name], shared) as fleet:
         names = {e.url: f"engine-{i}" for i, e in enumerate(fleet.engines)}
         try:
             url, child = start_router(ARMS[name], fleet)
@@ -177,10 +204,10 @@ def run_arm(name: str, args: argparse.Namespace, rate: float) -> dict:
         return {"arm": asdict(ARMS[name]), "summary": summary, "records": [asdict(r) for r in records]}
 
 
-def measure_capacity(args: argparse.Namespace) -> dict:
+def measure_capacity(args: argparse.Namespace, shared: BenchFleet | None = None) -> dict:
     """Completed req/s with every engine kept full, the workload sent straight to them (no router, no affinity)."""
     requests = plan(args.workload, 5_000, 1.0, args.seed + 1, args.tenants, args.zipf)
-    with new_fleet(args) as fleet:
+    with new_fleet(args) if shared is None else nullcontext(shared) as fleet:
         print(engine_capacity_line(fleet.engines[0]), flush=True)
         # The first answers wait for a whole round of prefills: 10 s before counting.
         out = asyncio.run(closed_loop([e.url for e in fleet.engines], MODEL_NAME, requests, args.calibrate_inflight,
@@ -197,8 +224,13 @@ def main() -> None:
     if args.replot:
         print(chart(json.loads(args.replot.read_text()), args.replot.with_suffix(".png")))
         return
+    with new_fleet(args) if args.runtime == "vllm" else nullcontext(None) as shared:
+        run(args, shared)
+
+
+def run(args: argparse.Namespace, shared: BenchFleet | None) -> None:
     started = time.monotonic()
-    capacity = None if args.rate is not None else measure_capacity(args)
+    capacity = None if args.rate is not None else measure_capacity(args, shared)
     if capacity is not None:
         print(f"capacity: {capacity['requests_per_s']:.2f} req/s with every engine full", flush=True)
         loads = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.load]
@@ -217,7 +249,7 @@ def main() -> None:
               f"{first_of_key_share(sample[args.warmup:]):.1%} of the measured ones a tenant's first", flush=True)
         for r in range(args.rounds):
             order = args.arms if r % 2 == 0 else args.arms[::-1]
-            done = {name: run_arm(name, args, rate) for name in order}
+            done = {name: run_arm(name, args, rate, shared) for name in order}
             runs[key if args.rounds == 1 else f"{key} round {r + 1}"] = {name: done[name] for name in args.arms}
             report = build_report(args, capacity, rates, runs, time.monotonic() - started)
         path.write_text(json.dumps(report, indent=2))  # after each load, so a long sweep cut short keeps some
@@ -228,7 +260,11 @@ def main() -> None:
 def build_report(args: argparse.Namespace, capacity: dict | None, rates: dict[str, float], runs: dict[str, dict],
                  wall_s: float) -> dict:
     setup = (f"{args.workload}: {args.tenants} tenants, Zipf {args.zipf}, {args.max_tokens} output tokens; "
-             f"{args.engines} SmolLM2 engines, KV {args.kv_cache_memory} each, max-num-seqs {args.max_num_seqs}")
+             f"{args.engines} SmolLM2 engines, KV {args.kv_cache_memory} each, max-num-seqs {args.max_num_seqs}"
+             if args.runtime == "kvfleet" else
+             f"{args.workload}: {args.tenants} tenants, Zipf {args.zipf}, {args.max_tokens} output tokens; "
+             f"{args.engines} vLLM {args.vllm_dtype} engines (one core each), {args.vllm_kv_blocks} KV blocks of 128 "
+             f"tokens each, max-num-seqs {args.max_num_seqs}")
     return {
         "command": shlex.join(["python", "-m", "bench.prefix_routing", *sys.argv[1:]]), "setup": setup,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -2,6 +2,8 @@
 models (`--model A --model B`), N engines of each behind the one gateway, each model its own fleet there.
 
 A model is resolved (and converted, the first time) once here, so N engines never race to write the cache.
+An engine that exits is started again on the same port, as a kubelet restarts a container (restartPolicy Always),
+after a back-off that grows while it keeps failing; the gateway routes around it meanwhile.
 Ctrl-C or SIGTERM stops the gateway first (no new requests), then the engines (they drain), then Redis.
 """
 
@@ -22,13 +24,36 @@ from kvfleet.fleet.ports import free_ports, port_is_free
 from kvfleet.fleet.vllm_serve import HEALTH_PATH, serve_args
 from kvfleet.gateway.models.routes import check_model_name
 from kvfleet.redis_server import RedisServer
-from kvfleet.supervisor import Child, Supervisor, kvfleet_command
+from kvfleet.supervisor import Child, Supervisor, kvfleet_command, previous_log
 from kvfleet.vllm_local import core_groups, ensure_vllm
 from kvfleet.vllm_local import engine_env as vllm_engine_env
 
 # The engines' shared token (issue 13): `kvfleet engine --api-key` and `kvfleet gateway --engine-api-key` read it.
 ENGINE_API_KEY_ENV = "KVFLEET_ENGINE_API_KEY"
 RUNTIMES = ("kvfleet", "vllm")
+
+
+# A kubelet's CrashLoopBackOff (10 s doubling to 5 min), but the first restart is at once; an engine that ran this long
+# since its last start counts as healthy again (its back-off starts over).
+RESTART_BACKOFF_S = (0.0, 10.0, 20.0, 40.0, 80.0, 160.0, 300.0)
+RESTART_RESET_AFTER_S = 600.0
+
+
+def restart_delay_s(failures: int) -> float:
+    """Seconds to wait before starting an engine again after its `failures`-th exit in a row (1 = the first)."""
+    return RESTART_BACKOFF_S[min(max(failures, 1), len(RESTART_BACKOFF_S)) - 1]
+
+
+@dataclass
+class EngineLaunch:
+    """What started an engine (to start it again after it exits) and its restart record."""
+
+    argv: list[str]
+    env: dict[str, str]
+    started_at: float
+    restarts: int = 0  # in all
+    failures: int = 0  # exits in a row (the back-off's count)
+    due_at: float | None = None  # when the next start is due, while it is down
 
 
 def engine_env(base: dict[str, str], token: str) -> dict[str, str]:
@@ -99,6 +124,7 @@ class LocalFleet:
         self.procs = Supervisor(self.run_dir)
         self.redis: RedisServer | None = None
         self.engines: list[Child] = []
+        self.launches: dict[str, EngineLaunch] = {}  # by engine name
         self.gateway: Child | None = None
         # A new token per run: only this run's gateway may call its engines, even on a shared machine.
         self.engine_api_key = secrets.token_urlsafe(32)
@@ -165,25 +191,48 @@ class LocalFleet:
 
     def _spawn(self, name: str, argv: list[str], url: str, env: dict[str, str]) -> Child:
         # engine-0, engine-1, ... form one group: they stop together, after the gateway.
+        if name.startswith("engine-"):
+            self.launches[name] = EngineLaunch(argv, env, time.monotonic())
         return self.procs.start(name, argv, url=url, env=env, group=name.split("-")[0])
+
+    def restart_exited(self, now: float | None = None) -> list[str]:
+        """Start again each engine that has exited and whose back-off has passed (on its port, with its argv and
+        environment); the names of those started. The first exit of an engine is reported."""
+        now = time.monotonic() if now is None else now
+        started = []
+        for k, engine in enumerate(self.engines):
+            launch = self.launches.get(engine.name)
+            if launch is None or engine.poll() is None:
+                continue
+            if launch.due_at is None:  # seen down for the first time
+                ran_s = now - launch.started_at
+                launch.failures = 1 if ran_s >= RESTART_RESET_AFTER_S else launch.failures + 1
+                launch.due_at = now + restart_delay_s(launch.failures)
+                print(f"kvfleet up: {engine.name} exited with {engine.returncode} after {ran_s:.0f} s (see "
+                      f"{engine.log_path}); the gateway routes around it; starting it again in "
+                      f"{launch.due_at - now:.0f} s", file=sys.stderr, flush=True)
+            if now < launch.due_at:
+                continue
+            launch.due_at, launch.started_at = None, now
+            launch.restarts += 1
+            self.engines[k] = self.procs.replace(engine, launch.argv, env=launch.env)
+            started.append(engine.name)
+        return started
 
     def _wait_ready(self, child: Child, path: str) -> None:
         child.wait_ready(path, self.spec.ready_timeout_s, poll_s=0.2)
         say(f"kvfleet up: {child.name} ready at {child.url}")
 
     def watch(self, stop_requested) -> int:
-        """Until a signal asks to stop (0) or the gateway dies (1); a dead engine is reported, the rest serve."""
-        reported: set[str] = set()
+        """Until a signal asks to stop (0) or the gateway dies (1); an engine that exits is started again."""
         while not stop_requested():
             if self.gateway.poll() is not None:
                 print(f"kvfleet up: the gateway exited with {self.gateway.returncode}:\n{self.gateway.tail()}",
                       file=sys.stderr)
                 return 1
-            for e in self.engines:
-                if e.poll() is not None and e.name not in reported:
-                    reported.add(e.name)
-                    print(f"kvfleet up: {e.name} exited with {e.returncode} (see {e.log_path}); "
-                          "the gateway routes around it", file=sys.stderr, flush=True)
+            for name in self.restart_exited():
+                say(f"kvfleet up: {name} started again (restart {self.launches[name].restarts}; its last run's log is "
+                    f"{self.run_dir / previous_log(Path(name + '.log'))})")
             time.sleep(0.2)
         return 0
 

@@ -121,6 +121,11 @@ def spawn(name: str, argv: list[str], *, url: str = "", log_dir: Path | None = N
     return Child(name, proc, url, log_path, group or name, tail_lines)
 
 
+def previous_log(log_path: Path) -> Path:
+    """Where Supervisor.replace keeps the log of a child's previous run."""
+    return log_path.with_name(f"{log_path.stem}.previous{log_path.suffix}")
+
+
 def wait_until(check: Callable[[], bool], watched: Iterable[Child], timeout_s: float, poll_s: float = 0.1) -> bool:
     """Polls check() until it holds (True) or `timeout_s` passes (False); ChildExited if a watched child exits."""
     watched = list(watched)
@@ -162,6 +167,19 @@ class Supervisor:
                       new_session=self.new_session, group=group, tail_lines=self.tail_lines)
         self.children.append(child)
         return child
+
+    def replace(self, old: Child, argv: list[str], *, env: dict[str, str] | None = None) -> Child:
+        """`old` (exited) started again as a new child of its name, URL and group, in its place in the stop order;
+        old's log is kept beside the new one as <name>.previous.log (as `kubectl logs --previous` keeps it)."""
+        if old.log_path is not None and old.log_path.exists():
+            old.log_path.replace(previous_log(old.log_path))
+        new = spawn(old.name, argv, url=old.url, log_dir=self.log_dir, env=env if env is not None else self.env,
+                    new_session=self.new_session, group=old.group, tail_lines=self.tail_lines)
+        if old in self.children:
+            self.children[self.children.index(old)] = new
+        else:
+            self.children.append(new)
+        return new
 
     def wait_until(self, check: Callable[[], bool], what: str, timeout_s: float, poll_s: float = 0.1) -> None:
         """Until check() holds, while every child runs; NotReady names `what` after `timeout_s`."""

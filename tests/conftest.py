@@ -162,4 +162,4 @@ def vllm_fleet():
 
     fleet = start_vllm_fleet(require_vllm())
     yield fleet
-    fleet.fleet.stop()
+    fleet.stop()

@@ -203,6 +203,38 @@ def held(index: KVIndex, url: str, tokens: list[int]) -> int:
     return index.matched_blocks({16: chain_keys(tokens, 16)}).get(url, 0)
 
 
+def test_the_subscriber_lets_go_of_a_pod_whose_scrapes_fail_within_seconds() -> None:
+    """A pod that dies sends nothing more: its stream goes quiet, as an idle pod's does. The gateway's scrapes tell
+    them apart; once they fail the subscription ends (its caller forgets the pod's blocks) instead of holding them
+    until the next rediscovery, 30 s on."""
+    pod, index = FakeVllmPod(), KVIndex()
+    alive = {"now": True}
+
+    async def scenario() -> float:
+        subscriber = ZmqEventSubscriber(index, GatewayMetrics())
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.create_task(subscriber.follow(session, pod.url, {}, lambda: alive["now"]))
+            try:
+                await until(lambda: index.engines() == [pod.url])
+                await asyncio.sleep(0.3)
+                pod.send(0, msgpack.packb([1.0, [stored(100, None, 1)], 0]))
+                await until(lambda: held(index, pod.url, list(range(100, 116))) == 1)
+                await asyncio.sleep(1.5)
+                assert not task.done(), "a quiet pod that answers its scrapes is followed on"
+                alive["now"] = False
+                began = time.monotonic()
+                assert await asyncio.wait_for(task, 5.0) is True
+                return time.monotonic() - began
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        assert asyncio.run(scenario()) < 2.5
+    finally:
+        pod.close()
+
+
 def test_the_subscriber_survives_garbage_fills_gaps_once_and_notices_a_restart() -> None:
     pod, index = FakeVllmPod(), KVIndex()
     first, second = list(range(100, 116)), list(range(100, 132))

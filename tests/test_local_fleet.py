@@ -124,3 +124,38 @@ def test_up_refuses_bad_settings_with_a_message(tiny_model_dir) -> None:
 def test_each_run_has_its_own_engine_token() -> None:
     first, second = LocalFleet(FleetSpec()), LocalFleet(FleetSpec())
     assert len(first.engine_api_key) >= 32 and first.engine_api_key != second.engine_api_key
+
+
+def test_an_engine_that_exits_starts_again_on_its_port_after_a_growing_back_off(tmp_path) -> None:
+    """Stand-in engines (short Python processes: what matters is the restart, not the engine; the real one is
+    restarted in tests/test_vllm_fleet.py): the first exit restarts at once, the next ones after 10 s, 20 s, ...,
+    an engine that ran 10 minutes starts its back-off over; the last run's log is kept beside the new one."""
+    fleet = LocalFleet(FleetSpec())
+    argv = [sys.executable, "-c", "import os, sys; print('run', os.getpid()); sys.exit(3)"]
+    first = fleet._spawn("engine-0", argv, "http://127.0.0.1:1", {})
+    fleet.engines = [first]
+    try:
+        first.wait(timeout=30)
+        t0 = time.monotonic()
+        assert fleet.restart_exited(t0) == ["engine-0"]  # the first exit: at once
+        second = fleet.engines[0]
+        assert second is not first and second.url == first.url
+        assert f"run {first.pid}" in (fleet.run_dir / "engine-0.previous.log").read_text()
+        second.wait(timeout=30)
+        assert fleet.restart_exited(t0 + 1) == []  # its second exit in a row (seen at t0 + 1): 10 s
+        assert fleet.restart_exited(t0 + 10.9) == [] and fleet.restart_exited(t0 + 11) == ["engine-0"]
+        fleet.engines[0].wait(timeout=30)
+        assert fleet.restart_exited(t0 + 12) == [] and fleet.restart_exited(t0 + 31.9) == []  # then 20 s
+        assert fleet.restart_exited(t0 + 32) == ["engine-0"]
+        assert fleet.launches["engine-0"].restarts == 3
+        fleet.engines[0].wait(timeout=30)
+        assert fleet.restart_exited(t0 + 32 + 700) == ["engine-0"]  # it ran 10 minutes: at once again
+        assert f"run {fleet.engines[0].pid}" not in (fleet.run_dir / "engine-0.previous.log").read_text()
+    finally:
+        fleet.stop()
+
+
+def test_restart_back_off_is_a_kubelets_from_no_wait() -> None:
+    from kvfleet.local_fleet import restart_delay_s
+
+    assert [restart_delay_s(n) for n in range(1, 10)] == [0, 10, 20, 40, 80, 160, 300, 300, 300]

@@ -7,6 +7,8 @@ The engines start once for the session (tests/vllm_engines.py); every test leave
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import uuid
 
@@ -17,7 +19,7 @@ import pytest
 from kvfleet.fleet import headers
 from kvfleet.gateway.routing.pick import SaturationPolicy
 from tests.conftest import start_engine_server, start_gateway, stop_process
-from tests.vllm_engines import BLOCK_SIZE, MAX_NUM_SEQS, SERVED, metric
+from tests.vllm_engines import BLOCK_SIZE, MAX_NUM_SEQS, SERVED, START_TIMEOUT_S, metric
 
 CHUNK_FIELDS = {"id", "object", "created", "model", "choices", "usage"}  # an OpenAI stream chunk's
 
@@ -71,34 +73,52 @@ def test_a_request_vllm_refuses_gets_vllms_400_and_the_engine_stays_in_the_fleet
 
 def test_the_gateway_follows_vllms_kv_events_and_the_hits_it_predicts_are_the_hits_vllm_reports(vllm) -> None:
     system = system_prompt()
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": "First question?"}]
-    first = httpx.post(f"{vllm.url}/v1/chat/completions", json={"model": SERVED, "messages": messages,
-                                                                  "max_tokens": 1}, timeout=120)
-    engine = first.headers[headers.ENGINE]
+    first = ask(vllm.url, system, "First question?")
+    assert_second_question_hits_as_predicted(vllm, vllm.url, first.headers[headers.ENGINE], system)
+
+
+def ask(url: str, system: str, question: str, auth: dict | None = None) -> httpx.Response:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    answer = httpx.post(f"{url}/v1/chat/completions", json={"model": SERVED, "messages": messages, "max_tokens": 1},
+                        headers=auth, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer
+
+
+def assert_second_question_hits_as_predicted(vllm, gateway: str, engine: str, system: str) -> None:
+    """`engine` served a first question under `system`: the gateway's index holds the blocks both questions share
+    (counted by vLLM's own tokenizer and chat template), sends a second question there as a precise prefix match,
+    and vLLM then reports exactly those blocks' tokens as hits."""
     k = vllm.engines.index(engine)
-    # The blocks both prompts share, counted by vLLM's own tokenizer and chat template.
     tokens = [httpx.post(f"{engine}/tokenize", headers=vllm.token, timeout=30, json={
-        "model": SERVED, "messages": [messages[0], {"role": "user", "content": q}]}).json()["tokens"]
-        for q in ("First question?", "A second one?")]
+        "model": SERVED, "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]}
+    ).json()["tokens"] for q in ("First question?", "A second one?")]
     shared = next(n for n, (a, b) in enumerate(zip(*tokens, strict=False)) if a != b)
     full_blocks = shared // BLOCK_SIZE
     assert full_blocks >= 3, shared
-    wait_for_blocks(vllm.url, engine, full_blocks)  # the index has followed vLLM's events of the first prompt
+    wait_for_blocks(gateway, engine, full_blocks)  # the index has followed vLLM's events of the first prompt
     hits_before = vllm.engine_metric(k, "vllm:prefix_cache_hits_total")
-    precise_before = metric(vllm.url, "kvfleet_gateway_routing_decisions_total", reason="prefix_precise")
-    messages[1]["content"] = "A second one?"
-    second = httpx.post(f"{vllm.url}/v1/chat/completions", json={"model": SERVED, "messages": messages,
-                                                                   "max_tokens": 1}, timeout=120)
-    assert second.status_code == 200 and second.headers[headers.ENGINE] == engine
-    assert metric(vllm.url, "kvfleet_gateway_routing_decisions_total", reason="prefix_precise") == precise_before + 1
+    precise_before = metric(gateway, "kvfleet_gateway_routing_decisions_total", reason="prefix_precise")
+    second = ask(gateway, system, "A second one?")
+    assert second.headers[headers.ENGINE] == engine
+    assert metric(gateway, "kvfleet_gateway_routing_decisions_total", reason="prefix_precise") == precise_before + 1
     assert vllm.engine_metric(k, "vllm:prefix_cache_hits_total") - hits_before == full_blocks * BLOCK_SIZE
 
 
 def wait_for_blocks(url: str, engine: str, blocks: int, timeout_s: float = 10.0) -> None:
+    wait_until(lambda: index_blocks(url, engine) >= blocks, timeout_s,
+               f"the gateway's index never held {blocks} blocks of {engine}")
+
+
+def index_blocks(url: str, engine: str) -> float:
+    return metric(url, "kvfleet_gateway_kv_index_blocks", endpoint=engine)
+
+
+def wait_until(check, timeout_s: float, failure: str) -> None:
     deadline = time.monotonic() + timeout_s
-    while metric(url, "kvfleet_gateway_kv_index_blocks", endpoint=engine) < blocks:
+    while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"the gateway's index never held {blocks} blocks of {engine}")
+            raise AssertionError(failure)
         time.sleep(0.1)
 
 
@@ -154,3 +174,41 @@ def test_a_kvfleet_model_and_a_vllm_model_behind_one_gateway_answer_in_the_same_
         if gateway is not None:
             stop_process(gateway)
         stop_process(proc)
+
+
+def test_a_gateway_started_later_learns_what_vllm_cached_from_vllms_replay_socket(vllm, redis_server) -> None:
+    """A gateway replica that starts (or reconnects) after vLLM cached a prompt missed its live events: it asks
+    vLLM's replay socket for the buffered batches, and routes the next question under that prompt as a precise hit."""
+    system = system_prompt()
+    ask(vllm.engines[1], system, "First question?", auth=vllm.token)  # straight to the engine: no gateway saw it
+    late, url = start_gateway("--redis-url", redis_server.url, "--engine-api-key", vllm.fleet.engine_api_key,
+                              "--tokenizer", SERVED, *[f for e in vllm.engines for f in ("--engine", e)])
+    try:
+        assert_second_question_hits_as_predicted(vllm, url, vllm.engines[1], system)
+    finally:
+        stop_process(late)
+
+
+def test_a_vllm_engine_that_dies_is_the_engines_failure_and_comes_back_with_the_index_starting_over(vllm) -> None:
+    """Killed outright (its whole process group, as a container dies): requests go on to the other engine, the
+    gateway drops the dead engine's blocks within seconds (its cache died with it), `kvfleet up` starts it again, and
+    the gateway follows the new vLLM's events from nothing, predicting its hits exactly again. Runs last in this
+    module: the restart takes vLLM's start-up time."""
+    engine = vllm.engines[0]
+    ask(engine, system_prompt(), "First question?", auth=vllm.token)
+    wait_for_blocks(vllm.url, engine, 3)
+    os.killpg(vllm.fleet.engines[0].pid, signal.SIGKILL)
+    c = client(vllm.url)
+    for n in range(4):  # the first may have been sent to the dead engine: the gateway retries it elsewhere
+        raw = c.chat.completions.with_raw_response.create(
+            model=SERVED, messages=[{"role": "user", "content": f"Still there {n}?"}], max_tokens=2)
+        assert raw.parse().usage.completion_tokens > 0 and raw.headers[headers.ENGINE] == vllm.engines[1]
+    wait_until(lambda: httpx.get(f"{vllm.url}/ready", timeout=10).json()["healthy"] == 1, 20,
+               "the gateway still counts the dead engine healthy")
+    wait_until(lambda: index_blocks(vllm.url, engine) == 0, 10, "the gateway kept the dead engine's blocks")
+    wait_until(lambda: httpx.get(f"{vllm.url}/ready", timeout=10).json()["healthy"] == 2, START_TIMEOUT_S,
+               "the engine did not come back")
+    assert vllm.fleet.launches["engine-0"].restarts == 1 and vllm.fleet.engines[0].url == engine
+    system = system_prompt()
+    ask(engine, system, "First question?", auth=vllm.token)
+    assert_second_question_hits_as_predicted(vllm, vllm.url, engine, system)

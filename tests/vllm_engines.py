@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -54,9 +55,22 @@ def metric(url: str, name: str, headers: dict | None = None, **labels: str) -> f
 
 @dataclass
 class VllmFleet:
-    """`kvfleet up --runtime vllm`: two vLLM engines, one core each, behind a gateway with Redis."""
+    """`kvfleet up --runtime vllm`: two vLLM engines, one core each, behind a gateway with Redis, watched as
+    `kvfleet up` watches them (an engine that exits is started again) until stop()."""
 
     fleet: LocalFleet
+    stopping: threading.Event = field(default_factory=threading.Event)
+    watcher: threading.Thread | None = None
+
+    def watch(self) -> None:
+        self.watcher = threading.Thread(target=self.fleet.watch, args=(self.stopping.is_set,), daemon=True)
+        self.watcher.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.watcher is not None:
+            self.watcher.join(timeout=10)
+        self.fleet.stop()
 
     @property
     def url(self) -> str:
@@ -98,4 +112,6 @@ def start_vllm_fleet(install: VllmInstall) -> VllmFleet:
     except BaseException:
         fleet.stop()
         raise
-    return VllmFleet(fleet)
+    started = VllmFleet(fleet)
+    started.watch()
+    return started

@@ -96,9 +96,14 @@ class KVEventFollower:
 
     async def _follow_zmq(self, url: str) -> float:
         """An engine without /kv_events may publish vLLM's format over ZMQ (a vLLM pod): follow that instead."""
-        if await self.zmq.follow(self.session, url, self.headers):
+        if await self.zmq.follow(self.session, url, self.headers, lambda: self._reachable(url)):
             return RETRY_S[0]
         return NOT_PUBLISHING_RETRY_S
+
+    def _reachable(self, url: str) -> bool:
+        """Whether the engine still answers its scrapes (one that does not may have died, and its cache with it)."""
+        state = self.pool.endpoints.get(url)
+        return state is not None and state.scrape_error is None
 
     def _apply(self, url: str, batch: EventBatch, expected: int | None) -> int:
         if batch.snapshot:

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -34,6 +35,8 @@ KV_EVENT_SOURCES_PATH = "/kv_event_sources"
 MAX_SOURCES_BYTES = 64 << 10
 MAX_FRAME_BYTES = 64 << 20
 MAX_ARRAY_LEN = 1 << 22  # token ids of one event at most (65,536 blocks of 64 tokens)
+# While the stream is quiet: how often to ask whether the pod is still reachable (a dead pod's blocks are gone).
+REACHABLE_CHECK_S = 1.0
 REDISCOVER_S = 30.0  # vLLM sends nothing while idle: ask again now and then whether the endpoints moved
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAYED = 20_000  # vLLM buffers 10,000 batches by default
@@ -149,8 +152,10 @@ class ZmqEventSubscriber:
         except ValueError:
             return None
 
-    async def follow(self, session: aiohttp.ClientSession, url: str, headers: dict) -> bool:
-        """Apply the pod's ZMQ batches until its sources move; False when it names none."""
+    async def follow(self, session: aiohttp.ClientSession, url: str, headers: dict,
+                     reachable: Callable[[], bool] = lambda: True) -> bool:
+        """Apply the pod's ZMQ batches until its sources move or it stops being `reachable` (its scrapes fail: a
+        pod that died took its cache with it); False when it names none."""
         source = await self.discover(session, url, headers)
         if source is None:
             return False
@@ -164,12 +169,18 @@ class ZmqEventSubscriber:
             self.index.reset(url)
             self._set_size(url)
             expected, last_live = await self._replay(url, source, 0), -1
+            asked_at = time.monotonic()
             while True:
                 try:
-                    frames = await asyncio.wait_for(sub.recv_multipart(), REDISCOVER_S)
+                    frames = await asyncio.wait_for(sub.recv_multipart(), REACHABLE_CHECK_S)
                 except TimeoutError:
-                    if await self.discover(session, url, headers) != source:
-                        return True  # moved or gone: the caller starts over
+                    if not reachable():
+                        log.info("KV events of %s: the pod is unreachable; forgetting its blocks", url)
+                        return True
+                    if time.monotonic() - asked_at >= REDISCOVER_S:
+                        if await self.discover(session, url, headers) != source:
+                            return True  # moved or gone: the caller starts over
+                        asked_at = time.monotonic()
                     continue
                 message = _frames(frames)
                 if message is not None:

@@ -25,6 +25,12 @@ VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 VLLM_GPU_CACHE_USAGE = "vllm:gpu_cache_usage_perc"
 VLLM_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+# vLLM's counters for what kvfleet's engine counts as PREFIX_CACHE_*, PROMPT_TOKENS and E2E_REQUEST_LATENCY (in tokens
+# too, so the hit rates read alike).
+VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"
+VLLM_E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
 
 # For each load signal, the names that carry it, in order of preference.
 LOAD_SIGNALS: dict[str, tuple[str, ...]] = {
