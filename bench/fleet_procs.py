@@ -77,6 +77,7 @@ class BenchFleet:
     use_redis: bool = True
     engine_args: list[str] = field(default_factory=list)  # more `kvfleet engine` (or `vllm serve`) flags for each
     runtime: str = "kvfleet"  # or "vllm": `vllm serve` engines, one core each, dev mode (/reset_prefix_cache)
+    engine_nice: int = 0  # the engines' niceness: >0 lets the routers (any arm's) take a core when they need one
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvfleet-bench-")))
     engines: list[Child] = field(default_factory=list)
     fallback_engines: list[Child] = field(default_factory=list)  # another model's, FALLBACK_NAME (start_fallback)
@@ -126,7 +127,8 @@ class BenchFleet:
         base = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
         for i, seqs in enumerate(self.max_num_seqs):
             port = free_port()
-            argv = [str(install.executable), "serve", *serve_args(
+            argv = [*(["nice", "-n", str(self.engine_nice)] if self.engine_nice else []),
+                    str(install.executable), "serve", *serve_args(
                 str(path), MODEL_NAME, port, host="127.0.0.1", events_port=0, max_model_len=self.max_model_len,
                 max_num_seqs=seqs, extra=self.engine_args)]
             self.engines.append(spawn_child(f"vllm-{i}-seqs{seqs}", argv, url=f"http://127.0.0.1:{port}",

@@ -18,7 +18,10 @@ from kvfleet.loadgen import SSE_DONE, RequestRecord, sse_data
 COUNTERS = {"hits": (f"{names.PREFIX_CACHE_HITS}_total", f"{names.VLLM_PREFIX_CACHE_HITS}_total"),
             "queries": (f"{names.PREFIX_CACHE_QUERIES}_total", f"{names.VLLM_PREFIX_CACHE_QUERIES}_total"),
             "requests": (f"{names.E2E_REQUEST_LATENCY}_count", f"{names.VLLM_E2E_REQUEST_LATENCY}_count"),
-            "prompt_tokens": (f"{names.PROMPT_TOKENS}_total", f"{names.VLLM_PROMPT_TOKENS}_total")}
+            "prompt_tokens": (f"{names.PROMPT_TOKENS}_total", f"{names.VLLM_PROMPT_TOKENS}_total"),
+            # the engine's own time to first token (from the request's arrival there): the rest is the router's
+            "engine_ttft_sum": (f"{names.TIME_TO_FIRST_TOKEN}_sum", f"{names.VLLM_TIME_TO_FIRST_TOKEN}_sum"),
+            "engine_ttft_count": (f"{names.TIME_TO_FIRST_TOKEN}_count", f"{names.VLLM_TIME_TO_FIRST_TOKEN}_count")}
 MAX_LINE = 1 << 20  # an answer's SSE line longer than this is not a chunk of 16 tokens
 
 

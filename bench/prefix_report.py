@@ -14,6 +14,9 @@ from kvfleet.loadgen import RequestRecord
 LOAD_ONLY, PEER, STRONGEST_PEER = "least-request", "sglang-router", "smg"
 # The issue's targets, for arms that are kvfleet's own: ratio name -> (most allowed, which is better).
 TARGETS = {"p90_ttft_vs_least_request": 0.3, "mean_ttft_vs_sglang_router": 0.8}
+# On vLLM engines (issue 36): against the better of the cache-aware peers that vLLM users run, each on its home turf.
+VLLM_PEERS = ("smg", "vllm-router-kv")
+VLLM_TARGETS = {"mean_ttft_vs_better_peer": 0.85, "p90_ttft_vs_least_request": 0.5, "hit_rate_vs_best_peer": 1.0}
 KNEE_TARGET = 1.5  # throughput at the knee ÷ least-request's, at least
 
 
@@ -32,6 +35,8 @@ def summarize_arm(records: list[RequestRecord], deltas: dict[str, dict], plan: l
     for e in engines.values():
         e["share"] = e["requests"] / served
     hits, queries = (sum(d[k] for d in deltas.values()) for k in ("hits", "queries"))
+    engine_ttft_s, engine_ttfts = (sum(d.get(k, 0.0) for d in deltas.values())
+                                   for k in ("engine_ttft_sum", "engine_ttft_count"))
     errors: dict[str, int] = {}
     for r in measured:
         if not r.ok:
@@ -41,12 +46,17 @@ def summarize_arm(records: list[RequestRecord], deltas: dict[str, dict], plan: l
             "ttft_s": _stats(ttfts), "e2e_s": _stats(e2es),
             "completed_per_s": len(ok) / span if span > 0 else None,
             "first_of_key_share": firsts / len(measured) if measured else None,
-            "fleet_hit_rate": hits / queries if queries else None, "engines": engines}
+            "fleet_hit_rate": hits / queries if queries else None, "engines": engines,
+            # the engines' own mean TTFT over the same requests (from arrival there): the client's mean less this is
+            # what the router added (its decision, its queue, its proxying)
+            "engine_ttft_mean_s": engine_ttft_s / engine_ttfts if engine_ttfts else None}
 
 
 def _engine(delta: dict) -> dict:
     return {"requests": int(delta["requests"]), "prompt_tokens": int(delta["prompt_tokens"]),
-            "hit_rate": delta["hits"] / delta["queries"] if delta["queries"] else None}
+            "hit_rate": delta["hits"] / delta["queries"] if delta["queries"] else None,
+            "engine_ttft_sum_s": delta.get("engine_ttft_sum", 0.0),
+            "engine_ttft_count": int(delta.get("engine_ttft_count", 0))}
 
 
 def _stats(values: list[float]) -> dict:
@@ -62,6 +72,9 @@ def ratios(arms: dict[str, dict]) -> dict[str, dict]:
     """Per arm that ran: p90 and mean TTFT and throughput against least-request, mean TTFT against sglang-router."""
     lr, peer = arms.get(LOAD_ONLY, {}).get("summary"), arms.get(PEER, {}).get("summary")
     strongest = arms.get(STRONGEST_PEER, {}).get("summary")
+    vllm_peers = [arms[n]["summary"] for n in VLLM_PEERS if (arms.get(n) or {}).get("summary")]
+    better_mean = min((p["ttft_s"]["mean"] for p in vllm_peers if p["ttft_s"]["mean"] is not None), default=None)
+    best_hits = max((p["fleet_hit_rate"] for p in vllm_peers if p["fleet_hit_rate"] is not None), default=None)
     out = {}
     for name, arm in arms.items():
         s = arm.get("summary")
@@ -73,6 +86,8 @@ def ratios(arms: dict[str, dict]) -> dict[str, dict]:
             "throughput_vs_least_request": lr and _div(s["completed_per_s"], lr["completed_per_s"]),
             "mean_ttft_vs_sglang_router": peer and _div(s["ttft_s"]["mean"], peer["ttft_s"]["mean"]),
             "mean_ttft_vs_smg": strongest and _div(s["ttft_s"]["mean"], strongest["ttft_s"]["mean"]),
+            "mean_ttft_vs_better_peer": _div(s["ttft_s"]["mean"], better_mean),
+            "hit_rate_vs_best_peer": _div(s["fleet_hit_rate"], best_hits),
         }
     return out
 
@@ -161,6 +176,15 @@ def format_table(report: dict) -> str:
     knee = report["knee_requests_per_s"]
     lines.append("throughput at the knee (most completed req/s over the loads): " + ", ".join(
         f"{n} {_f(v, '.2f')} ({_f(_div(v, knee.get(LOAD_ONLY)), '.2f')}x LR)" for n, v in knee.items()))
+    for load, by_arm in report["ratios"].items():
+        if report.get("args", {}).get("runtime") != "vllm":
+            break
+        for name, r in by_arm.items():
+            if name.startswith(("kvfleet", "estimated", "prefix-affinity")):
+                lines.append(f"{load} {name} against the vLLM targets: mean TTFT / better of smg and vllm-router-kv "
+                             f"{_f(r['mean_ttft_vs_better_peer'], '.2f')} (<= 0.85), p90 TTFT / least-request "
+                             f"{_f(r['p90_ttft_vs_least_request'], '.2f')} (<= 0.5), hit rate / best peer's "
+                             f"{_f(r['hit_rate_vs_best_peer'], '.2f')} (>= 1)")
     lines.append(f"targets at 80% load for kvfleet's arms: p90 TTFT <= {TARGETS['p90_ttft_vs_least_request']}x "
                  f"least-request, mean TTFT <= {TARGETS['mean_ttft_vs_sglang_router']}x sglang-router cache_aware; "
                  f"knee throughput >= {KNEE_TARGET}x least-request")

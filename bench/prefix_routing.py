@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench import peers
-from bench.fleet_procs import MODEL_NAME, BenchFleet
+from bench.fleet_procs import MODEL_NAME, BenchFleet, cpu_seconds, gateway_queue_waits, queue_waits_between
 from bench.prefix_client import closed_loop, run_plan
 from bench.prefix_report import chart, format_table, knee_throughput, pooled, ratios, summarize_arm
 from bench.prefix_workload import WORKLOADS, first_of_key_share, plan
@@ -74,6 +74,10 @@ ARMS: dict[str, Arm] = {
     "estimated-ttft-x2": Arm("kvfleet", "estimated-ttft", TOKENIZER, replicas=2),
     "prefix-affinity": Arm("kvfleet", "prefix-affinity", TOKENIZER),
     "prefix-affinity-x2": Arm("kvfleet", "prefix-affinity", TOKENIZER, replicas=2),
+    # the engines' load read twice a second whatever a scrape costs them (the gateway's default adapts: scraper.py)
+    "prefix-affinity-slow-scrape": Arm("kvfleet", "prefix-affinity", (*TOKENIZER, "--scrape-interval-ms", "500",
+                                                                        "--max-metrics-age-ms", "1500")),
+    "prefix-affinity-python": Arm("kvfleet", "prefix-affinity", (*TOKENIZER, "--data-plane", "python")),
     "sglang-router": Arm("sglang-router", "cache_aware"),
     "smg": Arm("smg", "cache_aware"),
     "vllm-router": Arm("vllm-router", "cache_aware"),
@@ -91,6 +95,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-kv-blocks", type=int, default=35,
                    help="each vLLM engine's KV cache in 128-token blocks (35: 4,480 tokens, like 194MiB of kvfleet's)")
     p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype")
+    p.add_argument("--engine-nice", type=int, default=10,
+                   help="the vLLM engines' niceness (0: none): on this 2-core machine they keep both cores busy, and "
+                        "a router (any arm's) waits for a core; on a GPU fleet the router has CPUs of its own")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--tenants", type=int, default=40, help="tenants (or open conversations for chats)")
@@ -151,6 +158,24 @@ def start_router(arm: Arm, fleet: BenchFleet) -> tuple[str | list[str], Child | 
     return child.url, child
 
 
+def cpu_by_role(fleet: BenchFleet, peer: Child | None) -> dict[str, float]:
+    """CPU seconds used so far by the router (kvfleet's gateways with their Envoy, or the peer) and the engines."""
+    routers = fleet.gateways if peer is None else [peer]
+    return {"router": sum(cpu_seconds(r.pid) for r in routers),
+            "engines": sum(cpu_seconds(e.pid) for e in fleet.engines)}
+
+
+def queue_waits(url: str | list[str]) -> dict[str, dict]:
+    """The kvfleet gateways' fleet-queue counts per class, summed over replicas ({} for a peer)."""
+    out: dict[str, dict] = {}
+    for one in [url] if isinstance(url, str) else url:
+        for priority, w in gateway_queue_waits(one).items():
+            total = out.setdefault(priority, {"queued": 0, "wait_s": 0.0})
+            total["queued"] += w["queued"]
+            total["wait_s"] += w["wait_s"]
+    return out
+
+
 def engine_capacity_line(engine: Child) -> str:
     found = re.findall(r"KV cache(?: size)?: [^\n]*", engine.output())  # kvfleet's; vLLM's
     return found[-1] if found else "KV cache: (not in the log)"
@@ -160,7 +185,8 @@ def new_fleet(args: argparse.Namespace, arm: Arm | None = None) -> BenchFleet:
     replicas = arm.replicas if arm is not None else 1
     if args.runtime == "vllm":  # one fleet for every arm (vLLM publishes its KV events without being asked)
         return BenchFleet("smollm2-135m-instruct", [args.max_num_seqs] * args.engines,
-                          max_model_len=args.max_model_len, use_redis=True, runtime="vllm",
+                          max_model_len=args.max_model_len, use_redis=args.redis, runtime="vllm",
+                          engine_nice=args.engine_nice,
                           engine_args=["--dtype", args.vllm_dtype, "--num-gpu-blocks-override",
                                        str(args.vllm_kv_blocks)])
     return BenchFleet("smollm2-135m-instruct", [args.max_num_seqs] * args.engines, max_model_len=args.max_model_len,
@@ -190,17 +216,28 @@ def run_arm(name: str, args: argparse.Namespace, rate: float, shared: BenchFleet
             return {"arm": asdict(ARMS[name]), "error": str(exc)[-2000:]}
         try:
             started = time.monotonic()
+            cpu_before, waits_before = cpu_by_role(fleet, child), queue_waits(url)
             records, deltas = asyncio.run(run_plan(url, MODEL_NAME, requests, list(names), args.warmup,
                                                    args.max_tokens, args.timeout))
+            cpu = {role: s - cpu_before[role] for role, s in cpu_by_role(fleet, child).items()}
+            waits = queue_waits_between(waits_before, queue_waits(url))
         finally:
             if child is not None:
                 child.stop()
             fleet.stop_gateway()
         summary = summarize_arm(records, deltas, requests, args.warmup, names)
+        # Where the time goes: the router's own CPU (on a 2-core machine it is taken from the engines) and the
+        # requests it held in a queue of its own (warm-up included in both).
+        summary["cpu_s"] = {role: round(s, 2) for role, s in cpu.items()}
+        summary["router_cpu_ms_per_request"] = round(1000 * cpu["router"] / max(1, len(requests)), 2)
+        summary["router_queue"] = waits
         ttft = {k: f"{v:.3f}" if v is not None else "-" for k, v in summary["ttft_s"].items()}
         print(f"{name}: {summary['ok']}/{summary['count']} ok, TTFT mean {ttft['mean']} p90 {ttft['p90']} s, "
               f"{summary['completed_per_s'] or 0:.2f} req/s, hit rate {summary['fleet_hit_rate'] or 0:.1%}, "
-              f"in {time.monotonic() - started:.0f} s", flush=True)
+              f"engines' own TTFT mean {summary['engine_ttft_mean_s'] or 0:.3f} s, "
+              f"router CPU {summary['router_cpu_ms_per_request']:.1f} ms/request, engines' CPU {cpu['engines']:.0f} s, "
+              f"queued in the router {sum(w['queued'] for w in waits.values())}, in {time.monotonic() - started:.0f} s",
+              flush=True)
         return {"arm": asdict(ARMS[name]), "summary": summary, "records": [asdict(r) for r in records]}
 
 

@@ -411,6 +411,7 @@ class Gateway:
         for e in snaps:
             states["unhealthy" if not e.healthy else "saturated" if policy.is_saturated(e) else "available"] += 1
             self.metrics.scrape_age.labels(e.url).set(min(e.metrics_age_s, 1e9))
+            self.metrics.scrape_interval.labels(e.url).set(e.scrape_interval_s)
         for state, n in states.items():
             self.metrics.endpoints.labels(state).set(n)
 

@@ -36,6 +36,9 @@ class GatewayMetrics:
                                  ["endpoint"], registry=r)
         self.scrape_age = Gauge("kvfleet_gateway_scrape_age_seconds", "Age of each engine's last good scrape",
                                 ["endpoint"], registry=r)
+        self.scrape_interval = Gauge("kvfleet_gateway_scrape_interval_seconds",
+                                     "How often each engine's /metrics is read (longer where rendering it is costly)",
+                                     ["endpoint"], registry=r)
         self.endpoints = Gauge("kvfleet_gateway_endpoints", "Engines by state", ["state"], registry=r)
         self.routing_decisions = Counter(
             "kvfleet_gateway_routing_decisions", "Engines chosen, by what decided: prefix_precise or "

@@ -85,3 +85,18 @@ def test_choice_is_always_available_and_never_clearly_worse_than_another(rows, s
         better = [e for e in ok if e.kv_cache_usage < chosen.kv_cache_usage - 0.05
                   and e.queue_depth < chosen.queue_depth]
         assert not better, "an endpoint with both more KV room and a shorter queue was passed over"
+
+
+def test_an_engine_slow_to_render_its_metrics_is_scraped_less_often_and_judged_stale_by_its_own_pace() -> None:
+    from kvfleet.gateway.engines.scraper import scrape_interval_s
+
+    assert scrape_interval_s(0.075, None) == 0.075  # not measured yet
+    assert scrape_interval_s(0.075, 0.002) == 0.075  # a kvfleet engine's filtered /metrics: the base pace
+    assert abs(scrape_interval_s(0.075, 0.02) - 0.4) < 1e-9  # vLLM's 53 KB: 20x what it takes
+    assert scrape_interval_s(0.075, 0.5) == 1.0  # at least once a second
+    policy = SaturationPolicy()
+    fast = EndpointSnapshot("a", True, 0.1, 0, 0, 0.3, scrape_interval_s=0.075)
+    slow = EndpointSnapshot("b", True, 0.1, 0, 0, 0.3, scrape_interval_s=0.4)
+    assert policy.is_stale(fast) and policy.is_saturated(fast)  # 0.3 s old at 13 scrapes/s: something is wrong
+    assert not policy.is_stale(slow) and not policy.is_saturated(slow)  # less than one of its intervals
+    assert policy.is_stale(EndpointSnapshot("b", True, 0.1, 0, 0, 1.1, scrape_interval_s=0.4))  # 2.5 missed

@@ -19,6 +19,7 @@ import pytest
 from kvfleet.fleet import headers
 from kvfleet.gateway.routing.pick import SaturationPolicy
 from tests.conftest import start_engine_server, start_gateway, stop_process
+from tests.test_fault_drills import saturated
 from tests.vllm_engines import BLOCK_SIZE, MAX_NUM_SEQS, SERVED, START_TIMEOUT_S, metric
 
 CHUNK_FIELDS = {"id", "object", "created", "model", "choices", "usage"}  # an OpenAI stream chunk's
@@ -187,6 +188,39 @@ def test_a_gateway_started_later_learns_what_vllm_cached_from_vllms_replay_socke
         assert_second_question_hits_as_predicted(vllm, url, vllm.engines[1], system)
     finally:
         stop_process(late)
+
+
+def test_a_saturated_kvfleet_model_falls_back_to_a_vllm_model_and_comes_back(vllm, tiny_model_dir,
+                                                                             redis_server) -> None:
+    """The degradation ladder across runtimes: a kvfleet-engine model whose only engine is full lets a request that
+    allows it fall back to the model vLLM serves (and the answer says so); once it has room, its own engine again."""
+    proc, tiny = start_engine_server(tiny_model_dir, "--served-model-name", "tiny", "--max-num-seqs", "1",
+                                     "--max-model-len", "1024", "--kv-cache-memory", "32MiB")
+    gateway = None
+    try:
+        gateway, url = start_gateway("--redis-url", redis_server.url, "--engine", f"tiny={tiny}",
+                                     *[f for e in vllm.engines for f in ("--engine", f"{SERVED}={e}")],
+                                     "--engine-api-key", vllm.fleet.engine_api_key, "--fallback", f"tiny={SERVED}",
+                                     "--saturation-queue", "1")
+        body = {"model": "tiny", "prompt": "tell me more", "max_tokens": 4, "ignore_eos": True}
+        allow = {headers.ALLOW_FALLBACK: "true", headers.PRIORITY: "standard"}
+        with saturated(tiny, "tiny"):
+            wait_until(lambda: httpx.get(f"{url}/ready", timeout=10).json()["models"]["tiny"]["available"] == 0, 10,
+                       "the gateway never saw the kvfleet engine saturated")
+            fell_back = httpx.post(f"{url}/v1/completions", json=body, headers=allow, timeout=120)
+        assert fell_back.status_code == 200, fell_back.text
+        assert fell_back.json()["model"] == SERVED and fell_back.headers[headers.DEGRADED] == f"fallback={SERVED}"
+        assert fell_back.headers[headers.ENGINE] in vllm.engines
+        assert fell_back.json()["usage"]["completion_tokens"] == 4
+        wait_until(lambda: httpx.get(f"{url}/ready", timeout=10).json()["models"]["tiny"]["available"] == 1, 30,
+                   "the gateway never saw the kvfleet engine with room again")
+        back = httpx.post(f"{url}/v1/completions", json=body, headers=allow, timeout=120)
+        assert back.json()["model"] == "tiny" and headers.DEGRADED not in back.headers
+        assert back.headers[headers.ENGINE] == tiny
+    finally:
+        if gateway is not None:
+            stop_process(gateway)
+        stop_process(proc)
 
 
 def test_a_vllm_engine_that_dies_is_the_engines_failure_and_comes_back_with_the_index_starting_over(vllm) -> None:

@@ -1,7 +1,9 @@
 """An InferenceFleet with `runtime: vllm` on the local Kubernetes path: the real operator builds its vLLM pod spec
 (operator/vllm_runtime.py), and the local kubelet runs it with real vLLM (its args, its env with the token from the
 Secret, its /health probes). This is what proved the pod spec against a real `vllm serve`: vLLM's CPU build refused
-the fleets' default block size of 16, which the operator now leaves to vLLM."""
+the fleets' default block size of 16, which the operator now leaves to vLLM. Then the e2e scenarios' scaling (the
+same functions kind runs, e2e/test_scenarios.py): load scales the vLLM fleet to a second real vLLM pod on vLLM's own
+metrics, a vLLM pod deleted under load loses no request (the pod drains), and idle scales the fleet back."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import psutil
 import pytest
 from kubernetes import client
 
+from e2e import conftest as e2e_target
+from e2e import test_scenarios as scenarios
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
 from tests.conftest import free_port
 from tests.vllm_engines import ENGINE_ARGS, SERVED, require_vllm
@@ -20,20 +24,31 @@ FLEET = {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceFleet", "metadat
          "spec": {"model": SERVED, "runtime": "vllm", "replicas": 1,
                   "engine": {"maxModelLen": 2048, "maxNumSeqs": 4, "kvCacheMemory": "1Gi",
                              "extraArgs": list(ENGINE_ARGS)},
-                  "autoscaling": {"enabled": False}}}
+                  # on, but held at one replica until the scaling scenario lets it grow
+                  "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 1}}}
 
 
 def children() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if p.is_running()]
 
 
+def command_line(process: psutil.Process) -> str:
+    """Its command line; "" for one that has exited (the pod the deletion scenario removed)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir):
     install = require_vllm()
-    cluster = LocalCluster(ClusterSpec(FLEET, port=free_port(), vllm=str(install.executable), ready_timeout_s=400))
+    cluster = LocalCluster(ClusterSpec(FLEET, port=free_port(), vllm=str(install.executable), ready_timeout_s=400,
+                                       autoscale_interval_s=2.0))
     before = children()  # other tests' processes (the session's vLLM fleet) are not this cluster's
     try:
         cluster.start()
+        cluster.others = before
         cluster.processes = [p for p in children() if p not in before]
         yield cluster
     finally:
@@ -59,7 +74,26 @@ def test_the_operators_vllm_pod_runs_real_vllm_behind_the_gateway_and_its_token(
     assert "vllm:kv_cache_usage_perc" in httpx.get(f"{engine}/metrics", timeout=30).text
 
 
+@pytest.fixture(scope="module")
+def target(cluster: LocalCluster) -> e2e_target.Target:
+    return e2e_target.Target(cluster.url, cluster.spec.namespace, "chat", str(cluster.kubeconfig), SERVED, False,
+                             str(cluster.run_dir))
+
+
+def test_load_on_vllm_scales_the_fleet_to_a_second_vllm_pod(target) -> None:
+    scenarios.test_load_raises_kv_usage_and_the_operator_scales_up(target)
+
+
+def test_deleting_a_vllm_pod_under_load_loses_no_request(target) -> None:
+    scenarios.test_deleting_an_engine_pod_under_load_loses_no_request(target)
+
+
+def test_an_idle_vllm_fleet_scales_back_down(target) -> None:
+    scenarios.test_idle_traffic_scales_down(target)
+
+
 def test_stopping_it_leaves_no_vllm_process_behind(cluster: LocalCluster) -> None:
-    assert any("vllm" in " ".join(p.cmdline()) for p in cluster.processes)
+    cluster.processes += [p for p in children() if p not in cluster.others and p not in cluster.processes]
+    assert any("vllm" in command_line(p) for p in cluster.processes)
     cluster.stop()
     assert not [p for p in cluster.processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -17,6 +17,7 @@ class EndpointState:
     load: EngineLoad | None = None
     scraped_at: float | None = None  # monotonic time of the last successful scrape
     scrape_error: str | None = None
+    scrape_interval_s: float = 0.0  # how often it is scraped now (the scraper's cost budget may slow a costly one)
     dispatched_since_scrape: int = 0
     dispatch_tokens: float = 0.0  # a moving average of the prompt tokens (not cached there) of requests sent to it
     open_requests: int = 0
@@ -53,7 +54,7 @@ class EndpointPool:
         return list(self.endpoints)
 
     def record_scrape(self, url: str, load: EngineLoad | None, error: str | None = None,
-                      now: float | None = None) -> None:
+                      now: float | None = None, interval_s: float = 0.0) -> None:
         state = self.endpoints.get(url)
         if state is None:
             return
@@ -61,6 +62,7 @@ class EndpointPool:
             state.scrape_error = error
             return
         state.load, state.scraped_at, state.scrape_error = load, now or time.monotonic(), None
+        state.scrape_interval_s = interval_s
         state.dispatched_since_scrape = 0
 
     def mark_unreachable(self, url: str, error: str, silent_s: float) -> int:
@@ -159,6 +161,7 @@ class EndpointPool:
                 num_waiting=load.num_waiting if load else 0,
                 num_running=load.num_running if load else 0,
                 metrics_age_s=now - s.scraped_at if s.scraped_at is not None else float("inf"),
+                scrape_interval_s=s.scrape_interval_s,
                 in_flight=unseen(s), max_num_seqs=load.max_num_seqs if load else None,
                 prefill_tokens_pending=load.prefill_tokens_pending if load else 0,
                 prefill_rate=load.prefill_tokens_per_second if load else None,

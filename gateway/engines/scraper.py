@@ -1,5 +1,11 @@
 """Scrape every engine's /metrics every 50-100 ms, each engine in its own loop, and hand the load to the pool.
 
+An engine renders its /metrics on its own server, between the requests it serves: the gateway asks for a few names
+(METRICS_QUERY), but an engine that ignores the filter (vLLM 0.32 renders all ~53 KB, 15-27 ms of its API server's
+event loop on a busy CPU) would spend a third of that loop on scrapes at 13 a second. So each engine is scraped no
+more often than SCRAPE_COST_RATIO times its scrapes' (smoothed) duration: a small, fast /metrics keeps the base
+interval, a costly one is read a few times a second (its staleness limit stretching with it, pick.py).
+
 A slow answer leaves the last load in place and lets it age (stale metrics count as saturated); a refused
 connection or a bad answer marks the engine unhealthy until a scrape succeeds again. Scrapes that time out for
 `unreachable_after_s` in a row mean the engine stopped answering without closing anything (a blackhole): it turns
@@ -26,6 +32,18 @@ from kvfleet.gateway.engines.pool import EndpointPool
 
 log = logging.getLogger(__name__)
 
+SCRAPE_COST_RATIO = 20.0  # an engine spends at most ~1/20 of its time answering this gateway's scrapes
+MAX_SCRAPE_INTERVAL_S = 1.0  # however slow, an engine's load is read every second
+SMOOTHING = 0.2  # the weight of the newest scrape's duration in its moving average
+
+
+def scrape_interval_s(base_s: float, took_s: float | None) -> float:
+    """The pause between an engine's scrapes: the base interval, or SCRAPE_COST_RATIO times what a scrape takes it
+    (at most MAX_SCRAPE_INTERVAL_S, never below the base)."""
+    if took_s is None:
+        return base_s
+    return max(base_s, min(MAX_SCRAPE_INTERVAL_S, SCRAPE_COST_RATIO * took_s))
+
 
 class Scraper:
     def __init__(self, pool: EndpointPool, interval_s: float = 0.075, timeout_s: float = 1.0,
@@ -38,8 +56,9 @@ class Scraper:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
                                              timeout=aiohttp.ClientTimeout(total=timeout_s),
                                              cookie_jar=aiohttp.DummyCookieJar())
-        self._loops = PerEngineLoops(self._loop, "scrape", on_leave=lambda url: self._silent_since.pop(url, None))
+        self._loops = PerEngineLoops(self._loop, "scrape", on_leave=self._forget)
         self._silent_since: dict[str, float] = {}  # start of the first of the scrapes timing out in a row
+        self._took: dict[str, float] = {}  # each engine's scrape duration, a moving average (answered scrapes)
 
     def sync(self) -> None:
         """Start a loop for each new endpoint and stop the loops of those that left."""
@@ -49,13 +68,20 @@ class Scraper:
         await self._loops.stop()
         await self.session.close()
 
+    def _forget(self, url: str) -> None:
+        self._silent_since.pop(url, None)
+        self._took.pop(url, None)
+
+    def interval_for(self, url: str) -> float:
+        return scrape_interval_s(self.interval_s, self._took.get(url))
+
     async def _loop(self, url: str) -> None:
         metrics_url = f"{url}/metrics?{METRICS_QUERY}"
         while url in self.pool.endpoints:
             started = time.monotonic()
             await self.scrape_once(url, metrics_url)
             self.on_scrape(url)
-            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+            await asyncio.sleep(max(0.0, self.interval_for(url) - (time.monotonic() - started)))
 
     async def scrape_once(self, url: str, metrics_url: str) -> None:
         started = time.monotonic()
@@ -66,8 +92,12 @@ class Scraper:
                     self._failed(url, f"/metrics answered {response.status}")
                     return
                 text = (await response.read()).decode("utf-8", "replace")
+            took = time.monotonic() - started
+            last = self._took.get(url)
+            self._took[url] = took if last is None else (1 - SMOOTHING) * last + SMOOTHING * took
             self._silent_since.pop(url, None)
-            self.pool.record_scrape(url, parse_engine_load(text), now=time.monotonic())
+            self.pool.record_scrape(url, parse_engine_load(text), now=time.monotonic(),
+                                    interval_s=self.interval_for(url))
         except TimeoutError:  # aiohttp's connect and read timeouts are TimeoutErrors too
             # Keep the last load; it ages past the staleness limit and the engine counts as saturated. Silent long
             # enough, the engine is unreachable.

@@ -31,6 +31,7 @@ class EndpointSnapshot:
     in_flight_tokens: int = 0  # prompt tokens of this gateway's dispatches since the scrape
     slot_seconds: float | None = None  # how long a request holds one of its batch slots; None: not known
     critical_pending: int = 0  # critical requests this gateway sent that have not started there (no headers yet)
+    scrape_interval_s: float = 0.0  # how often it is scraped (an engine slow to render its metrics, less often)
 
     @property
     def queue_depth(self) -> int:
@@ -49,6 +50,9 @@ class EndpointSnapshot:
         return (self.num_running + self.num_waiting + self.in_flight) / self.max_num_seqs
 
 
+STALE_SCRAPES = 2.5  # an engine's metrics are stale after this many of its scrape intervals (and max_metrics_age_s)
+
+
 @dataclass(frozen=True)
 class SaturationPolicy:
     """The Inference Extension's defaults: queue >= 5 or KV >= 0.8 or metrics older than 200 ms."""
@@ -64,7 +68,12 @@ class SaturationPolicy:
 
     def is_saturated(self, e: EndpointSnapshot) -> bool:
         return (e.queue_depth >= self.max_queue or e.kv_cache_usage >= self.max_kv_cache_usage
-                or e.metrics_age_s > self.max_metrics_age_s)
+                or self.is_stale(e))
+
+    def is_stale(self, e: EndpointSnapshot) -> bool:
+        """Metrics older than max_metrics_age_s, or than STALE_SCRAPES of the engine's own scrape intervals where
+        the gateway reads it less often (its /metrics is costly to render: gateway/engines/scraper.py)."""
+        return e.metrics_age_s > max(self.max_metrics_age_s, STALE_SCRAPES * e.scrape_interval_s)
 
 
 @dataclass(frozen=True)
@@ -159,8 +168,7 @@ def critical_room(endpoints: Sequence[EndpointSnapshot], policy: SaturationPolic
     """Healthy endpoints with fresh metrics where a critical request would wait behind fewer than `policy.max_queue`
     critical requests of this gateway's: engines run critical requests first (and preempt for them), so a saturated
     engine still starts one soon; only critical requests it has not started are ahead of it (--critical-first)."""
-    return [e for e in endpoints if e.healthy and e.metrics_age_s <= policy.max_metrics_age_s
-            and e.critical_pending < policy.max_queue]
+    return [e for e in endpoints if e.healthy and not policy.is_stale(e) and e.critical_pending < policy.max_queue]
 
 
 def pick(strategy: Strategy, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,

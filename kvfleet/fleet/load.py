@@ -33,8 +33,8 @@ class EngineLoad:
     decode_tokens_per_second_full_batch: float | None = None  # as the previous
 
 
-# What the gateway asks for: /metrics?name[]=... (kvfleet engines and vLLM's prometheus_client handler both
-# filter on it), so an engine renders a few lines instead of every histogram, ten times a second.
+# What the gateway asks for: /metrics?name[]=... (kvfleet engines filter on it, so they render a few lines instead of
+# every histogram; vLLM 0.32 ignores it and renders everything, so the scraper slows down for it: scraper.py).
 WANTED = (*(n for names in LOAD_SIGNALS.values() for n in names), MAX_NUM_SEQS, PREFILL_TOKENS_PENDING,
           PREFILL_TOKENS_PER_SECOND, REQUEST_SLOT_SECONDS, DECODE_TOKENS_PER_SECOND_FULL_BATCH)
 METRICS_QUERY = "&".join(f"name[]={n}" for n in WANTED)

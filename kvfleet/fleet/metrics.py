@@ -31,6 +31,7 @@ VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"
 VLLM_E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
+VLLM_TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 
 # For each load signal, the names that carry it, in order of preference.
 LOAD_SIGNALS: dict[str, tuple[str, ...]] = {
