@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kvfleet import __version__
-from kvfleet.fleet.engine_settings import DEFAULT_MODEL
+from kvfleet.fleet.engine_settings import DEFAULT_MODEL, DRAIN_S
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -70,7 +70,7 @@ def _add_engine_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=float, default=float(DRAIN_S),
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--log-prompts", action="store_true", help="include each request's prompt text in its log line")
     add_engine_args(p)

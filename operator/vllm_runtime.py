@@ -29,7 +29,8 @@ def vllm_args(fleet: FleetSpec) -> list[str]:
     engine = fleet.engine
     return serve_args(fleet.model, fleet.model, ENGINE_PORT, max_model_len=engine.max_model_len,
                       max_num_seqs=engine.max_num_seqs, block_size=engine.block_size,
-                      gpu_memory_utilization=engine.gpu_memory_utilization, extra=engine.extra_args)
+                      gpu_memory_utilization=engine.gpu_memory_utilization, drain_s=fleet.drain_seconds,
+                      extra=engine.extra_args)
 
 
 def vllm_env(fleet: FleetSpec) -> list[dict]:

@@ -91,9 +91,10 @@ def test_an_engine_slow_to_render_its_metrics_is_scraped_less_often_and_judged_s
     from kvfleet.gateway.engines.scraper import scrape_interval_s
 
     assert scrape_interval_s(0.075, None) == 0.075  # not measured yet
-    assert scrape_interval_s(0.075, 0.002) == 0.075  # a kvfleet engine's filtered /metrics: the base pace
-    assert abs(scrape_interval_s(0.075, 0.02) - 0.4) < 1e-9  # vLLM's 53 KB: 20x what it takes
-    assert scrape_interval_s(0.075, 0.5) == 1.0  # at least once a second
+    assert scrape_interval_s(0.075, 0.002, 600) == 0.075  # a kvfleet engine's filtered /metrics: the base pace
+    assert scrape_interval_s(0.075, 0.05, 600) == 0.075  # filtered but slow: a busy engine, still read often
+    assert abs(scrape_interval_s(0.075, 0.02, 53_000) - 0.4) < 1e-9  # vLLM's 53 KB: 20x what it takes
+    assert scrape_interval_s(0.075, 0.5, 53_000) == 1.0  # at least once a second
     policy = SaturationPolicy()
     fast = EndpointSnapshot("a", True, 0.1, 0, 0, 0.3, scrape_interval_s=0.075)
     slow = EndpointSnapshot("b", True, 0.1, 0, 0, 0.3, scrape_interval_s=0.4)

@@ -60,6 +60,8 @@ def test_the_operators_vllm_pod_runs_real_vllm_behind_the_gateway_and_its_token(
     [pod] = client.CoreV1Api(api).list_namespaced_pod("kvfleet").items
     container = pod.spec.containers[0]
     assert container.command == ["vllm", "serve"] and "--block-size" not in container.args
+    # vLLM's own default (0) aborts every request in flight on SIGTERM: the pod drains for the fleet's drainSeconds
+    assert container.args[container.args.index("--shutdown-timeout") + 1] == "30"
     assert container.readiness_probe.http_get.path == "/health"
     [token] = [e for e in container.env if e.name == "VLLM_API_KEY"]
     assert token.value is None and token.value_from.secret_key_ref.key == "api-key"

@@ -50,6 +50,7 @@ def test_serve_args_carry_the_settings_under_vllms_flag_names_and_publish_kv_eve
     assert args[:7] == ["/models/m", "--served-model-name", "chat", "--host", "0.0.0.0", "--port", "8000"]
     assert "--enable-prefix-caching" in args and args[-2:] == ["--dtype", "bfloat16"]
     assert args[args.index("--max-num-seqs") + 1] == "8" and "--block-size" not in args
+    assert args[args.index("--shutdown-timeout") + 1] == "30"  # vLLM's own 0 aborts requests in flight on SIGTERM
     events = json.loads(args[args.index("--kv-events-config") + 1])
     assert (events["endpoint"], events["replay_endpoint"]) == ("tcp://*:5557", "tcp://*:5558")
 

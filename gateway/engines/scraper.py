@@ -2,9 +2,10 @@
 
 An engine renders its /metrics on its own server, between the requests it serves: the gateway asks for a few names
 (METRICS_QUERY), but an engine that ignores the filter (vLLM 0.32 renders all ~53 KB, 15-27 ms of its API server's
-event loop on a busy CPU) would spend a third of that loop on scrapes at 13 a second. So each engine is scraped no
-more often than SCRAPE_COST_RATIO times its scrapes' (smoothed) duration: a small, fast /metrics keeps the base
-interval, a costly one is read a few times a second (its staleness limit stretching with it, pick.py).
+event loop on a busy CPU) would spend a third of that loop on scrapes at 13 a second. So an engine whose answer
+shows it ignored the filter is scraped no more often than SCRAPE_COST_RATIO times its scrapes' (smoothed)
+duration, a few times a second (its staleness limit stretching with it, pick.py); one that filtered keeps the base
+interval however slowly a busy moment makes it answer.
 
 A slow answer leaves the last load in place and lets it age (stale metrics count as saturated); a refused
 connection or a bad answer marks the engine unhealthy until a scrape succeeds again. Scrapes that time out for
@@ -35,12 +36,14 @@ log = logging.getLogger(__name__)
 SCRAPE_COST_RATIO = 20.0  # an engine spends at most ~1/20 of its time answering this gateway's scrapes
 MAX_SCRAPE_INTERVAL_S = 1.0  # however slow, an engine's load is read every second
 SMOOTHING = 0.2  # the weight of the newest scrape's duration in its moving average
+FILTERED_BYTES = 16 * 1024  # the load metrics alone are well under 1 KiB; a bigger answer ignored the filter
 
 
-def scrape_interval_s(base_s: float, took_s: float | None) -> float:
-    """The pause between an engine's scrapes: the base interval, or SCRAPE_COST_RATIO times what a scrape takes it
-    (at most MAX_SCRAPE_INTERVAL_S, never below the base)."""
-    if took_s is None:
+def scrape_interval_s(base_s: float, took_s: float | None, body_bytes: int = 0) -> float:
+    """The pause between an engine's scrapes: the base interval for an engine that filtered its answer (a small
+    body: a slow answer then means a busy engine, which must still be read often), else SCRAPE_COST_RATIO times
+    what a scrape takes it (at most MAX_SCRAPE_INTERVAL_S, never below the base)."""
+    if took_s is None or body_bytes <= FILTERED_BYTES:
         return base_s
     return max(base_s, min(MAX_SCRAPE_INTERVAL_S, SCRAPE_COST_RATIO * took_s))
 
@@ -59,6 +62,7 @@ class Scraper:
         self._loops = PerEngineLoops(self._loop, "scrape", on_leave=self._forget)
         self._silent_since: dict[str, float] = {}  # start of the first of the scrapes timing out in a row
         self._took: dict[str, float] = {}  # each engine's scrape duration, a moving average (answered scrapes)
+        self._size: dict[str, int] = {}  # the size of each engine's last answer
 
     def sync(self) -> None:
         """Start a loop for each new endpoint and stop the loops of those that left."""
@@ -71,9 +75,10 @@ class Scraper:
     def _forget(self, url: str) -> None:
         self._silent_since.pop(url, None)
         self._took.pop(url, None)
+        self._size.pop(url, None)
 
     def interval_for(self, url: str) -> float:
-        return scrape_interval_s(self.interval_s, self._took.get(url))
+        return scrape_interval_s(self.interval_s, self._took.get(url), self._size.get(url, 0))
 
     async def _loop(self, url: str) -> None:
         metrics_url = f"{url}/metrics?{METRICS_QUERY}"
@@ -95,6 +100,7 @@ class Scraper:
             took = time.monotonic() - started
             last = self._took.get(url)
             self._took[url] = took if last is None else (1 - SMOOTHING) * last + SMOOTHING * took
+            self._size[url] = len(text)
             self._silent_since.pop(url, None)
             self.pool.record_scrape(url, parse_engine_load(text), now=time.monotonic(),
                                     interval_s=self.interval_for(url))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DRAIN_S = 30  # seconds an engine (kvfleet's --drain-timeout, vLLM's --shutdown-timeout) finishes requests on SIGTERM
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens per KV block: the kernels' tiles need a power of two

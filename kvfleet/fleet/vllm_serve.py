@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 
+from kvfleet.fleet.engine_settings import DRAIN_S
 from kvfleet.fleet.sizes import parse_size
 
 VLLM_VERSION = "0.32.0"  # the vLLM kvfleet is tested with: the managed install's pin and the pods' default image
@@ -48,15 +49,21 @@ def with_kv_events_port(args: list[str], port: int) -> list[str]:
     return out
 
 
+SHUTDOWN_TIMEOUT_FLAG = "--shutdown-timeout"  # vLLM's drain on SIGTERM, in seconds
+
+
 def serve_args(model: str, served_name: str, port: int, *, host: str = "0.0.0.0", events_port: int = KV_EVENTS_PORT,
                max_model_len: int | None = None, max_num_seqs: int | None = None, block_size: int | None = None,
-               gpu_memory_utilization: float | None = None, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+               gpu_memory_utilization: float | None = None, drain_s: int | None = DRAIN_S,
+               extra: tuple[str, ...] | list[str] = ()) -> list[str]:
     """The arguments after `vllm serve`; a setting left None keeps vLLM's own default; `extra` last (vLLM's flags,
-    passed through)."""
+    passed through). `drain_s`: on SIGTERM vLLM finishes its requests for this long (vLLM's own default, 0, aborts
+    every request in flight with a 500: a pod deleted under load lost requests)."""
     args = [model, "--served-model-name", served_name, "--host", host, "--port", str(port),
             "--enable-prefix-caching", KV_EVENTS_CONFIG_FLAG, kv_events_config(events_port)]
     for flag, value in (("--max-model-len", max_model_len), ("--max-num-seqs", max_num_seqs),
-                        ("--block-size", block_size), ("--gpu-memory-utilization", gpu_memory_utilization)):
+                        ("--block-size", block_size), ("--gpu-memory-utilization", gpu_memory_utilization),
+                        (SHUTDOWN_TIMEOUT_FLAG, drain_s)):
         if value is not None:
             args += [flag, str(value)]
     return [*args, *extra]
