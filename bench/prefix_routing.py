@@ -23,7 +23,7 @@ engines serve every arm, and each arm begins with their prefix caches emptied (v
 and its hit rates read from vLLM's own counters as deltas. Every router is fed by the same engines' KV events where
 it can take them (kvfleet's precise index; vllm-router's kv_aware).
 
-    python -m bench.prefix_routing --runtime vllm --arms kvfleet-precise,smg,vllm-router-kv,least-request
+    python -m bench.prefix_routing --runtime vllm --arms prefix-affinity,smg,vllm-router-kv,least-request
 """
 
 from __future__ import annotations
