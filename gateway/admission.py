@@ -66,9 +66,13 @@ def queue_refusal(priority: Priority, tenant: str, placement: Placement, rate: f
             "tenant_queue_full", f"tenant {tenant!r} already has {placement.ahead} requests waiting in the fleet "
                                  f"queue, the most it may (max_queued); retry in {wait} s", wait)
     wait, retry = predicted_wait_s(placement.ahead, rate), retry_after_s(placement.ahead, rate, max_queue_ms)
+    # `rate` is read again after the queue decided: a rate that has since left its window (or a queue that fell
+    # back from Redis to this process meanwhile) has none to quote
+    ahead = (f"{placement.ahead} requests are queued ahead of this request, more than drain in" if wait is None else
+             f"about {wait:.1f} s of queued work is ahead of this request ({placement.ahead} requests, the fleet "
+             f"serving {rate:.2f}/s), longer than")
     return "deadline_predicted", APIError(
         429 if priority is Priority.SHEDDABLE else 503,
-        f"about {wait:.1f} s of queued work is ahead of this request ({placement.ahead} requests, the fleet serving "
-        f"{rate:.2f}/s), longer than the {max_queue_ms:.0f} ms it may wait ({headers.MAX_QUEUE_MS}); retry in "
-        f"{retry} s, or allow a longer wait", "service_unavailable", code="queue_deadline_unreachable",
+        f"{ahead} the {max_queue_ms:.0f} ms it may wait ({headers.MAX_QUEUE_MS}); retry in {retry} s, or allow a "
+        "longer wait", "service_unavailable", code="queue_deadline_unreachable",
         headers={headers.RETRY_AFTER: str(retry)})

@@ -257,3 +257,17 @@ def test_the_gateway_command_refuses_a_bad_engine_url_with_exit_2(capsys) -> Non
 
     assert main(["gateway", "--engine", "http://10.0.0.5"]) == 2
     assert "has no port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rate", [2.5, None])
+def test_a_request_refused_for_its_deadline_is_told_why_even_when_the_drain_rate_has_gone(rate) -> None:
+    """The queue refused it at one drain rate; the answer reads the rate again, and under load (the rate leaving
+    its window, or the queue falling back from Redis to the replica's own) there may be none by then: still a 503
+    that says what to change, never a 500."""
+    from kvfleet.gateway.admission import queue_refusal
+    from kvfleet.gateway.queue.order import Placement, Refusal
+
+    reason, error = queue_refusal(Priority.STANDARD, "A", Placement(Refusal.TOO_LONG, 40), rate, 15_000, 256, 40)
+    assert reason == "deadline_predicted" and error.status == 503
+    assert "40 requests" in error.message and "15000 ms" in error.message and "x-kvfleet-max-queue-ms" in error.message
+    assert int(error.headers["retry-after"]) >= 1
