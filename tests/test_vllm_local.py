@@ -51,6 +51,8 @@ def test_serve_args_carry_the_settings_under_vllms_flag_names_and_publish_kv_eve
     assert "--enable-prefix-caching" in args and args[-2:] == ["--dtype", "bfloat16"]
     assert args[args.index("--max-num-seqs") + 1] == "8" and "--block-size" not in args
     assert args[args.index("--shutdown-timeout") + 1] == "30"  # vLLM's own 0 aborts requests in flight on SIGTERM
+    # the gateway's class and fair-share priorities in the body: vLLM's default fcfs drops them silently
+    assert args[args.index("--scheduling-policy") + 1] == "priority"
     events = json.loads(args[args.index("--kv-events-config") + 1])
     assert (events["endpoint"], events["replay_endpoint"]) == ("tcp://*:5557", "tcp://*:5558")
 

@@ -50,6 +50,7 @@ def with_kv_events_port(args: list[str], port: int) -> list[str]:
 
 
 SHUTDOWN_TIMEOUT_FLAG = "--shutdown-timeout"  # vLLM's drain on SIGTERM, in seconds
+SCHEDULING_POLICY_FLAG = "--scheduling-policy"  # vLLM's queue order: fcfs (its default) or priority
 
 
 def serve_args(model: str, served_name: str, port: int, *, host: str = "0.0.0.0", events_port: int = KV_EVENTS_PORT,
@@ -58,9 +59,12 @@ def serve_args(model: str, served_name: str, port: int, *, host: str = "0.0.0.0"
                extra: tuple[str, ...] | list[str] = ()) -> list[str]:
     """The arguments after `vllm serve`; a setting left None keeps vLLM's own default; `extra` last (vLLM's flags,
     passed through). `drain_s`: on SIGTERM vLLM finishes its requests for this long (vLLM's own default, 0, aborts
-    every request in flight with a 500: a pod deleted under load lost requests)."""
+    every request in flight with a 500: a pod deleted under load lost requests). The engine orders by the body's
+    `priority`, which the gateway sets from each request's class and tenant share (kvfleet.fleet.priority): vLLM's
+    default policy, fcfs, ignores it without a word."""
     args = [model, "--served-model-name", served_name, "--host", host, "--port", str(port),
-            "--enable-prefix-caching", KV_EVENTS_CONFIG_FLAG, kv_events_config(events_port)]
+            "--enable-prefix-caching", KV_EVENTS_CONFIG_FLAG, kv_events_config(events_port),
+            SCHEDULING_POLICY_FLAG, "priority"]
     for flag, value in (("--max-model-len", max_model_len), ("--max-num-seqs", max_num_seqs),
                         ("--block-size", block_size), ("--gpu-memory-utilization", gpu_memory_utilization),
                         (SHUTDOWN_TIMEOUT_FLAG, drain_s)):
