@@ -48,8 +48,7 @@ class AutoscalingPolicy:
     kv_scale_down_exponent: float = 0.5  # 1: HPA's proportional rule; below 1: gentler scale-down on KV usage
     panic_scale_up_factor: float = 1000.0  # KPA's max-scale-up-rate: in a burst, the ×2 cap does not apply
     panic_threshold: float = 2.0  # latest load / stable-window load that counts as a burst
-    stable_window_s: float = 60.0
-    panic_hold_s: float = 60.0  # no scale-down for this long after a burst
+    stable_window_s: float = autoscaling_default("stable_window_s")  # also the hold: no scale-down after a burst
     scale_to_zero_idle_s: float = autoscaling_default("scale_to_zero_idle_s")
     cold_start_s: float = autoscaling_default("cold_start_s")  # until measured (Observation.cold_start_s)
     slo: Mapping[Priority, SloClass] = field(default_factory=lambda: dict(DEFAULT_SLO_CLASSES))
@@ -238,7 +237,7 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
     stable = sum(v for _, v in state.loads) / len(state.loads)
     burst = level > 0 and len(state.loads) > 1 and level >= policy.panic_threshold * max(stable, 1e-9)
     if burst:
-        state.panic_until = now + policy.panic_hold_s
+        state.panic_until = now + policy.stable_window_s
     panic = now < state.panic_until
 
     capacity = state.planner.learn_capacity(measured_capacity(

@@ -131,7 +131,7 @@ def test_always_within_min_and_max() -> None:
 
 def test_a_burst_scales_up_at_once_and_blocks_scale_down_for_the_hold() -> None:
     policy = AutoscalingPolicy(max_replicas=20, scale_up_stabilization_s=60, scale_down_stabilization_s=0,
-                               panic_hold_s=60)
+                               stable_window_s=60)
     state = AutoscalerState()
     steady(state, policy, obs(0, [0.7, 0.7], running=2), range(0, 60, 15))
     d = recommend(obs(60, [1.0, 1.0], waiting=10, running=4), policy, state)
@@ -140,6 +140,15 @@ def test_a_burst_scales_up_at_once_and_blocks_scale_down_for_the_hold() -> None:
     assert d.desired == 4 and "burst hold" in d.reason
     d = recommend(obs(125, [0.1] * 4, current=4, running=0), policy, state)
     assert d.desired == 2  # the hold is over
+
+
+def test_a_shorter_stable_window_ends_the_bursts_hold_sooner() -> None:
+    policy = AutoscalingPolicy(max_replicas=20, scale_down_stabilization_s=0, stable_window_s=10)
+    state = AutoscalerState()
+    steady(state, policy, obs(0, [0.7, 0.7], running=2), range(0, 20, 2))
+    assert recommend(obs(20, [1.0, 1.0], waiting=10, running=4), policy, state).panic
+    assert "burst hold" in recommend(obs(25, [0.1] * 4, current=4, running=0), policy, state).reason
+    assert recommend(obs(31, [0.1] * 4, current=4, running=0), policy, state).desired < 4  # 60 s by default
 
 
 def test_scale_to_zero_after_the_idle_period_and_back_when_the_gateway_queues() -> None:
