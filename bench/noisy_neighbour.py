@@ -14,7 +14,18 @@ request that cannot connect, or loses its connection, is retried once on the oth
 still gets no HTTP answer, or none within the queue deadline + 120 s, is "lost".
 
 Arms (alternating order with --rounds > 1): fcfs (today's policy), fair, fair-1-replica (one replica, no kill: the
-single-queue reference) and alone (B and C only, fair, 2 replicas, no kill: the p99 reference).
+single-queue reference) and alone (B and C only, fair, 2 replicas, no kill: the p99 reference). The peer arms put smg
+(its PyPI release, bench/peers.py) in front of the same engines with its priority scheduler, the tenant from the same
+header (--trust-tenant-header), one replica, no kill, the same queue deadline for every class, as many slots as the
+engines have sequences: smg-priority gives every tenant smg's `default` class (nothing known in advance, as kvfleet's
+arms); smg-priority-tagged caps tenant A at `bulk` in smg's tenant policy, as an operator who named the flood ahead of
+time would.
+
+With --runtime vllm the engines are real vLLM (`vllm serve` from kvfleet's managed install, bfloat16, one core each,
+niced so routers get a core, --scheduling-policy priority as kvfleet runs vLLM):
+
+    python -m bench.noisy_neighbour --runtime vllm --engines 2 \
+        --arms alone,fair,fair-1-replica,fcfs,smg-priority,smg-priority-tagged
 
 Fairness. A tenant is *backlogged* when its demand (requests sent x mean tokens of an answered request) exceeds its
 max-min fair share of what the arm served in total (water-filling: light tenants get all they ask, the rest is split
@@ -34,21 +45,27 @@ import random
 import shlex
 import sys
 import time
+from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
+from bench import peers
 from bench.capacity import saturated_throughput
 from bench.fair_order_check import order_phase
-from bench.fleet_procs import MODEL_NAME, BenchFleet, spawn, wait_for
+from bench.fleet_procs import MODEL_NAME, BenchFleet, get, spawn, wait_for
 from kvfleet.bench_report import percentile
 from kvfleet.fleet import headers
 from kvfleet.fleet.ports import free_port
 from kvfleet.fleet.priority import Priority
 from kvfleet.loadgen import LoadSpec, arrival_times, make_prompts
 from kvfleet.supervisor import Child, stop_together
+from kvfleet.supervisor import spawn as spawn_child
 
+# httpcore's pool scans all its connections for every request: with a thousand in flight (a flood a router holds for
+# seconds) one client spent its loop there and sent the plan up to 10 s late; the requests are dealt over this many
+CLIENT_POOLS = 32
 LOST_AFTER_QUEUE_S = 120.0  # a request's timeout: the queue deadline plus this, so a hang shows as "lost"
 
 
@@ -172,7 +189,9 @@ async def run_plan(urls: list[str], plan: list[Planned], max_tokens: int, timeou
     """The plan open loop over the replicas; SIGKILL to `kill`'s replica at its offset. Records, kill offset."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     killed_at: float | None = None
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    async with AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits))
+                   for _ in range(CLIENT_POOLS)]
         run_start = time.perf_counter()
 
         async def killer() -> None:
@@ -187,7 +206,8 @@ async def run_plan(urls: list[str], plan: list[Planned], max_tokens: int, timeou
             delay = run_start + req.send_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(client, urls, req, max_tokens, timeout_s, run_start)))
+            tasks.append(asyncio.create_task(send(clients[req.index % CLIENT_POOLS], urls, req, max_tokens, timeout_s,
+                                                  run_start)))
         records = await asyncio.gather(*tasks)
         if killing:
             await killing
@@ -197,18 +217,22 @@ async def run_plan(urls: list[str], plan: list[Planned], max_tokens: int, timeou
 # ---- arms -------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Arm:
-    policy: str
+    policy: str  # kvfleet's --queue-policy; for smg, its routing policy
     replicas: int
     kill: bool
     tenants: tuple[str, ...] = ("A", "B", "C")
     flags: tuple[str, ...] = ()  # the arm's own gateway flags
+    router: str = "kvfleet"  # or "smg"
+    smg_max_class: tuple[tuple[str, str], ...] = ()  # smg's tenant policy: (tenant, max_class)
 
 
 # fair-fifo-engines: the fair queue without the engine priority it gives tenants under their share (all requests
 # here are standard, so --no-forward-priority turns off only that): what the engines' own FIFO queues undo
 ARMS = {"fcfs": Arm("fcfs", 2, True), "fair": Arm("fair", 2, True),
         "fair-fifo-engines": Arm("fair", 2, True, flags=("--no-forward-priority",)),
-        "fair-1-replica": Arm("fair", 1, False), "alone": Arm("fair", 2, False, ("B", "C"))}
+        "fair-1-replica": Arm("fair", 1, False), "alone": Arm("fair", 2, False, ("B", "C")),
+        "smg-priority": Arm("cache_aware", 1, False, router="smg"),
+        "smg-priority-tagged": Arm("cache_aware", 1, False, router="smg", smg_max_class=(("A", "bulk"),))}
 LIGHT = ("B", "C")
 
 
@@ -230,22 +254,104 @@ def start_replicas(fleet: BenchFleet, arm: Arm, name: str, extra: list[str]) -> 
     return gateways
 
 
+# smg 1.13's built-in class settings (model_gateway/src/middleware/scheduler/config.rs); its YAML takes a class whole
+SMG_CLASS_DEFAULTS = {
+    "system": {"reserved_floor": 32, "reserved_per_slot": 0.0, "queue_size": 64, "queue_timeout_secs": 30,
+               "starvation_threshold_secs": 5, "can_preempt": True},
+    "interactive": {"reserved_floor": 128, "reserved_per_slot": 0.25, "queue_size": 256, "queue_timeout_secs": 30,
+                    "starvation_threshold_secs": 5, "can_preempt": True},
+    "default": {"reserved_floor": 0, "reserved_per_slot": 0.10, "queue_size": 512, "queue_timeout_secs": 60,
+                "starvation_threshold_secs": 30, "can_preempt": False},
+    "bulk": {"reserved_floor": 0, "reserved_per_slot": 0.0, "queue_size": 1024, "queue_timeout_secs": 300,
+             "starvation_threshold_secs": 120, "can_preempt": False}}
+
+
+def smg_scheduler_config(arm: Arm, queue_s: int) -> dict:
+    """smg's priority-scheduler YAML (JSON is YAML): smg's own class settings, except that every class waits
+    `queue_s` at most, as kvfleet's queue deadline, and `system` and `interactive`, which no request here uses,
+    reserve nothing (smg's defaults hold 160 slots and a quarter of the rest back for them: more than these engines
+    have, and smg would fall back to its plain concurrency limit); `default` keeps its reservation (a tenth of the
+    slots, held back from `bulk`). The arm's tenant caps, keyed as smg keys a header tenant."""
+    unused = {"reserved_floor": 0, "reserved_per_slot": 0.0}
+    return {"classes": {c: {**d, **(unused if c in ("system", "interactive") else {}), "queue_timeout_secs": queue_s}
+                        for c, d in SMG_CLASS_DEFAULTS.items()},
+            "tenant_policies": {f"header:{tenant}": {"max_class": cls} for tenant, cls in arm.smg_max_class}}
+
+
+def start_smg(fleet: BenchFleet, arm: Arm, name: str, args: argparse.Namespace) -> tuple[Child, str]:
+    """smg in front of the engines with its priority scheduler, the tenant from the header the client sends. smg
+    sizes the scheduler from each worker's `max_running_requests`, which it reads from SGLang's /server_info and
+    otherwise takes as 64 (vLLM reports none): the engines are registered through its /workers API with their
+    --max-num-seqs as that label, so that smg holds the excess in its class queues as kvfleet's gateway does, rather
+    than in the engines' own first-come queues."""
+    peer = peers.PEERS["smg"]
+    if not peer.installed():
+        raise RuntimeError("smg is not installed (python -m bench.peers install smg)")
+    config = fleet.log_dir / f"smg-{name}.yaml"
+    config.write_text(json.dumps(smg_scheduler_config(arm, max(1, round(args.max_queue_ms / 1000)))))
+    port, metrics_port = free_port(), free_port()
+    argv = [*peer.argv([], port, metrics_port, policy=arm.policy), "--priority-scheduler-enabled",
+            "--priority-scheduler-config", str(config), "--trust-tenant-header", "--tenant-header-name",
+            headers.TENANT]
+    argv.remove("--worker-urls")
+    child = spawn_child(f"smg-{name}", argv, url=f"http://127.0.0.1:{port}", log_dir=fleet.log_dir)
+    try:
+        child.wait_ready(lambda: get(child.url + "/health") is not None, 30.0, poll_s=0.2)
+        for engine, seqs in zip(fleet.engines, fleet.max_num_seqs, strict=True):
+            response = httpx.post(child.url + "/workers", timeout=30, json={
+                "url": engine.url, "labels": {"max_running_requests": str(seqs)}})
+            if response.status_code >= 300:
+                raise RuntimeError(f"smg refused {engine.url}: {response.status_code} {response.text[:300]}")
+        child.wait_ready(lambda: peers.answers_chat(child.url, MODEL_NAME), 90.0, poll_s=0.5)
+    except BaseException:
+        child.stop()
+        raise
+    return child, f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+def smg_scheduler_counts(metrics_url: str) -> dict[str, float]:
+    """What smg's scheduler did: admissions per class and outcome, and how many waited in its class queues."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(get(metrics_url) or ""):
+        for sample in family.samples:
+            if sample.name == "smg_scheduler_admit_total":
+                out[f"{sample.labels['class']} {sample.labels['outcome']}"] = sample.value
+            elif sample.name == "smg_scheduler_queue_wait_seconds_count":
+                out[f"{sample.labels['class']} queued"] = sample.value
+    return out
+
+
 def run_arm(fleet: BenchFleet, name: str, tag: str, plan: list[Planned], args: argparse.Namespace) -> dict:
     arm = ARMS[name]
-    gateways = start_replicas(fleet, arm, f"nn-{name}-{tag}", [*args.gateway_arg, "--max-queue-ms",
-                                                               str(args.max_queue_ms)])
+    smg_metrics = None
+    if arm.router == "smg":
+        smg, smg_metrics = start_smg(fleet, arm, f"{name}-{tag}", args)
+        gateways = [smg]
+    else:
+        gateways = start_replicas(fleet, arm, f"nn-{name}-{tag}", [*args.gateway_arg, "--max-queue-ms",
+                                                                   str(args.max_queue_ms)])
     mine = [r for r in plan if r.tenant in arm.tenants]
     kill = (args.kill_at * args.duration, gateways[-1]) if arm.kill else None
     try:
         records, killed_at = asyncio.run(run_plan([g.url for g in gateways], mine, args.max_tokens,
                                                   args.max_queue_ms / 1000 + LOST_AFTER_QUEUE_S, kill))
+        scheduler = smg_scheduler_counts(smg_metrics) if smg_metrics else None
     finally:
         stop_together(gateways)
     fleet.wait_idle(timeout_s=args.max_queue_ms / 1000 + LOST_AFTER_QUEUE_S)
     summary = summarize_arm(records, arm.tenants)
+    # how late the client sent against the plan: a load generator that cannot keep up measures itself
+    planned = {r.index: r.send_at for r in mine}
+    summary["client_late_s"] = max((r.sent_at - planned[r.index] for r in records), default=0.0)
     print(f"{name} ({tag}): " + ", ".join(f"{t} {s['status']['200']}/{s['sent']} ok p99 {_s(s['latency_s']['p99'])}"
-                                          for t, s in summary["tenants"].items()), flush=True)
-    return {"arm": asdict(arm), "killed_at_s": killed_at, "summary": summary, "records": [asdict(r) for r in records]}
+                                          for t, s in summary["tenants"].items())
+          + f"; the client sent at most {summary['client_late_s']:.2f} s late", flush=True)
+    if scheduler is not None:
+        print(f"{name} ({tag}): smg's scheduler: {scheduler}", flush=True)
+    return {"arm": asdict(arm), "killed_at_s": killed_at, "summary": summary, "smg_scheduler": scheduler,
+            "records": [asdict(r) for r in records]}
 
 
 # ---- figures per arm ----------------------------------------------------------------------------------------------
@@ -316,6 +422,10 @@ def targets(arms: dict[str, dict], ratios: dict[str, dict], order: dict | None) 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="the engine's model ('tiny': random 3 layers)")
+    p.add_argument("--runtime", choices=("kvfleet", "vllm"), default="kvfleet", help="the engines: kvfleet's or vLLM")
+    p.add_argument("--engines", type=int, default=1, choices=range(1, 5), help="engines (for vLLM: one core each)")
+    p.add_argument("--engine-nice", type=int, default=10,
+                   help="vLLM engines' niceness: they keep both cores busy, and a router waits for one (0: none)")
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--kv-cache-memory", default="128MiB")
     p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals per arm")
@@ -342,6 +452,14 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def new_fleet(args: argparse.Namespace) -> BenchFleet:
+    seqs = [args.max_num_seqs] * args.engines
+    if args.runtime == "vllm":
+        return BenchFleet(args.model, seqs, max_model_len=512, runtime="vllm", engine_nice=args.engine_nice,
+                          engine_args=["--dtype", "bfloat16"])
+    return BenchFleet(args.model, seqs, max_model_len=512, kv_cache_memory=args.kv_cache_memory)
+
+
 def main() -> int:
     args = parse_args()
     report: dict = {"command": shlex.join(["python", "-m", "bench.noisy_neighbour", *sys.argv[1:]])}
@@ -349,12 +467,11 @@ def main() -> int:
     if args.order_only:
         report["order"] = order_phase(None, args.seed)
     else:
-        with BenchFleet(args.model, [args.max_num_seqs], max_model_len=512, kv_cache_memory=args.kv_cache_memory) \
-                as fleet:
+        with new_fleet(args) as fleet:
             shape = LoadSpec(url=fleet.engines[0].url, prompt_words=args.prompt_words, max_tokens=args.max_tokens,
                              ignore_eos=True, model=MODEL_NAME, seed=args.seed + 99)
-            capacity = asyncio.run(saturated_throughput({fleet.engines[0].url: args.max_num_seqs}, shape, MODEL_NAME,
-                                                        args.calibrate_s))["requests_per_s"]
+            capacity = asyncio.run(saturated_throughput({e.url: args.max_num_seqs for e in fleet.engines}, shape,
+                                                        MODEL_NAME, args.calibrate_s))["requests_per_s"]
             rates = {"A": args.flood * capacity, "B": args.light * capacity, "C": args.light * capacity}
             print(f"capacity {capacity:.2f} req/s; rates " + ", ".join(f"{t} {r:.2f}" for t, r in rates.items()),
                   flush=True)
@@ -388,7 +505,8 @@ def _s(value: float | None) -> str:
 def format_table(report: dict, args: argparse.Namespace) -> str:
     lines = [report["command"]]
     if "rounds" in report:
-        lines.append(f"capacity {report['capacity_requests_per_s']:.2f} req/s; A {args.flood:g}x, B and C "
+        lines.append(f"{args.engines} {args.runtime} engine(s), max-num-seqs {args.max_num_seqs}; capacity "
+                     f"{report['capacity_requests_per_s']:.2f} req/s; A {args.flood:g}x, B and C "
                      f"{args.light:g}x each; {args.duration:g} s; queue deadline {args.max_queue_ms} ms; one replica "
                      f"killed at {args.kill_at:.0%} in fcfs and fair; data plane python")
     groups = [(f"round {r + 1}", arms, report["p99_vs_alone"][r]) for r, arms in enumerate(report.get("rounds", []))]
@@ -410,18 +528,18 @@ def format_table(report: dict, args: argparse.Namespace) -> str:
 
 def arm_rows(label: str, arms: dict[str, dict], ratios: dict[str, dict]) -> list[str]:
     """One row per arm and tenant, then a line per arm: fairness and the kill."""
-    lines = [f"{label:<9}{'arm':<15}{'tenant':<7}{'sent':>6}{'200':>6}{'429':>5}{'503':>5}{'other':>6}{'lost':>5}  "
+    lines = [f"{label:<9}{'arm':<21}{'tenant':<7}{'sent':>6}{'200':>6}{'429':>5}{'503':>5}{'other':>6}{'lost':>5}  "
              f"{'p50 s':>6}{'p90 s':>7}{'p99 s':>7}{'p99/alone':>10}{'tokens':>8}{'/share':>7}"]
     for name, run in arms.items():
         s = run["summary"]
         for t, x in s["tenants"].items():
             st, lat = x["status"], x["latency_s"]
-            lines.append(f"{'':9}{name:<15}{t:<7}{x['sent']:>6}{st['200']:>6}{st['429']:>5}{st['503']:>5}"
+            lines.append(f"{'':9}{name:<21}{t:<7}{x['sent']:>6}{st['200']:>6}{st['429']:>5}{st['503']:>5}"
                          f"{st['other']:>6}{st['lost']:>5}  {_s(lat['p50']):>6}{_s(lat['p90']):>7}{_s(lat['p99']):>7}"
                          f"{_s(ratios.get(name, {}).get(t)):>10}{x['served_tokens']:>8}"
                          f"{_s(x['served_over_share']):>7}")
         rt = s["retried"]
-        lines.append(f"{'':9}{name:<15}backlogged {','.join(s['backlogged']) or '-'}: "
+        lines.append(f"{'':9}{name:<21}backlogged {','.join(s['backlogged']) or '-'}: "
                      f"Jain {_s(s['jain_backlogged'])}; Jain over served/share {_s(s['jain_share'])}; "
                      f"answered {s['answered']}, lost {s['lost']}; retried {rt['connect']} (could not connect) + "
                      f"{rt['connection lost']} (in flight at the kill), {rt['answered']} of them answered"
