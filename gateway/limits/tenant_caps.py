@@ -20,14 +20,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvfleet.fleet import redis_keys
+from kvfleet.fleet.redis_errors import REDIS_DOWN
 
 log = logging.getLogger(__name__)
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 LEASE_MS = 15_000  # a dead replica's slots are free again after this
 RENEW_EVERY_S = 5.0
 

@@ -20,10 +20,9 @@ from collections.abc import Awaitable, Callable
 from enum import StrEnum
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvfleet.fleet.priority import Priority
+from kvfleet.fleet.redis_errors import CLIENT_OPTIONS, REDIS_DOWN
 from kvfleet.gateway.queue.local import LocalQueue
 from kvfleet.gateway.queue.order import DEFAULT_TENANT, Placement, QueueEntry, queue_score
 from kvfleet.gateway.queue.redis_backend import RedisQueue
@@ -31,7 +30,7 @@ from kvfleet.gateway.queue.wait import DRAIN_WINDOW_S, drain_rate, max_ahead
 
 log = logging.getLogger(__name__)
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+
 
 
 class Outcome(StrEnum):
@@ -56,7 +55,7 @@ class FleetQueue:
         # health_check_interval: a pooled connection idle for a second is pinged before use, so connections left
         # from before a Redis restart are found dead before a real command meets them
         self.client = Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0,
-                                     health_check_interval=1) if redis_url else None
+                                     health_check_interval=1, **CLIENT_OPTIONS) if redis_url else None
         self.redis = RedisQueue(self.client, fleet, gateway_id, policy=policy) if self.client else None
         self.using_redis = False
         self.redis_error: str | None = None if redis_url else "no Redis configured"
