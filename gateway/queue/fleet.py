@@ -31,8 +31,6 @@ from kvfleet.gateway.queue.wait import DRAIN_WINDOW_S, drain_rate, max_ahead
 log = logging.getLogger(__name__)
 
 
-
-
 class Outcome(StrEnum):
     GRANTED = "granted"
     EXPIRED = "expired"
