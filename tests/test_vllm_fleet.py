@@ -129,7 +129,9 @@ def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_i
     import concurrent.futures
 
     per_engine = MAX_NUM_SEQS + SaturationPolicy().max_queue  # what one engine takes before it counts as saturated
-    total = 3 * per_engine
+    # twice what the engines take: on a busy machine the burst's senders start over a second or more, and answers
+    # that end meanwhile free slots, so fewer than total - 2 * per_engine may wait; an engine's worth still must
+    total = 4 * per_engine
     body = {"model": SERVED, "messages": [{"role": "user", "content": "Write a long story about a fleet."}],
             "max_tokens": 48, "ignore_eos": True}
     queued_before = metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count")
@@ -138,7 +140,7 @@ def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_i
                                 range(total)))
     assert [a.status_code for a in answers] == [200] * total
     assert all(a.json()["usage"]["completion_tokens"] == 48 for a in answers)
-    assert metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count") - queued_before >= total - 2 * per_engine
+    assert metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count") - queued_before >= per_engine
 
 
 def test_a_kvfleet_model_and_a_vllm_model_behind_one_gateway_answer_in_the_same_shapes(
