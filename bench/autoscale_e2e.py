@@ -14,6 +14,16 @@ sides side by side. By hand, not in CI:
     python -m bench.autoscale_e2e run --calibration /tmp/cal.json --max-replicas 2 \
         --json docs/benchmarks/autoscale_e2e_max2.json --trace-copy /tmp/same-trace.csv
     python -m bench.autoscale_e2e predict --json docs/benchmarks/autoscale_e2e.json   # redo the simulator's sides
+
+With --runtime vllm the fleet is `runtime: vllm` (real `vllm serve` pods from the operator's spec, bfloat16, one core
+each as the local kubelet pins them). vLLM does not report its capacity, so the calibration measures it from outside
+(`kvfleet bench capacity`, kvfleet/capacity_probe.py) and the fleet declares it (spec.autoscaling.capacity), as a
+vLLM user would; the probe runs on kvfleet's engine too, beside the engine's own gauges:
+
+    python -m bench.autoscale_e2e calibrate --runtime vllm --out /tmp/cal-vllm.json
+    python -m bench.autoscale_e2e run --runtime vllm --calibration /tmp/cal-vllm.json --max-replicas 2 \
+        --base-rps 0.3 --json docs/benchmarks/autoscale_e2e_vllm.json \
+        --trace-copy docs/benchmarks/autoscale_e2e_vllm_trace.csv
 """
 
 from __future__ import annotations
@@ -118,23 +128,30 @@ def attainment(results: list[dict]) -> dict:
     return out
 
 
-def fleet_manifest(max_replicas: int) -> dict:
+VLLM_ENGINE = {"kvCacheMemory": "1Gi", "extraArgs": ["--dtype", "bfloat16"]}  # compiled, as vLLM is run
+
+
+def fleet_manifest(max_replicas: int, runtime: str = "kvfleet", capacity: dict | None = None) -> dict:
+    """The fleet; `capacity` (spec.autoscaling.capacity) for a runtime whose pods do not report theirs."""
+    engine = {"maxModelLen": LOCAL_CLUSTER.max_model_len, "maxNumSeqs": LOCAL_CLUSTER.max_num_seqs,
+              "kvCacheMemory": LOCAL_CLUSTER.kv_cache_memory} | (VLLM_ENGINE if runtime == "vllm" else {})
+    autoscaling = {"enabled": max_replicas > 1, "minReplicas": 1, "maxReplicas": max_replicas,
+                   "sloClasses": {"critical": {"ttftSeconds": 1, "attainment": 0.999},
+                                  "standard": {"ttftSeconds": 2, "attainment": 0.99},
+                                  "sheddable": {"ttftSeconds": 5, "attainment": 0}}}
+    if capacity:
+        autoscaling["capacity"] = capacity
     return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceFleet", "metadata": {"name": FLEET},
-            "spec": {"model": DEFAULT_MODEL, "replicas": 1,
-                     "engine": {"maxModelLen": LOCAL_CLUSTER.max_model_len, "maxNumSeqs": LOCAL_CLUSTER.max_num_seqs,
-                                "kvCacheMemory": LOCAL_CLUSTER.kv_cache_memory},
-                     "autoscaling": {"enabled": max_replicas > 1, "minReplicas": 1, "maxReplicas": max_replicas,
-                                     "sloClasses": {"critical": {"ttftSeconds": 1, "attainment": 0.999},
-                                                    "standard": {"ttftSeconds": 2, "attainment": 0.99},
-                                                    "sheddable": {"ttftSeconds": 5, "attainment": 0}}}}}
+            "spec": {"model": DEFAULT_MODEL, "replicas": 1, "runtime": runtime, "engine": engine,
+                     "autoscaling": autoscaling}}
 
 
-def start_cluster(max_replicas: int, interval_s: float):
+def start_cluster(max_replicas: int, interval_s: float, runtime: str = "kvfleet", capacity: dict | None = None):
     from kvfleet.fleet.ports import free_port
     from kvfleet.local_cluster import ClusterSpec, LocalCluster
 
-    cluster = LocalCluster(ClusterSpec(fleet_manifest(max_replicas), namespace=NAMESPACE, port=free_port(),
-                                       autoscale_interval_s=interval_s))
+    cluster = LocalCluster(ClusterSpec(fleet_manifest(max_replicas, runtime, capacity), namespace=NAMESPACE,
+                                       port=free_port(), autoscale_interval_s=interval_s))
     cluster.start()
     return cluster
 
@@ -177,9 +194,22 @@ def engine_metrics(cluster, apis) -> list[dict]:
     return out
 
 
-async def calibrate(cluster, apis) -> dict:
+async def probed(cluster, apis) -> dict:
+    """The one engine's capacity measured from outside (`kvfleet bench capacity`), as a vLLM user profiles theirs."""
+    from kvfleet.capacity_probe import probe
+    from kvfleet.fleet.pods import pod_endpoint
+
+    [url] = [u for u in map(pod_endpoint, apis[1].list_namespaced_pod(NAMESPACE).items) if u]
+    measured = await probe(url, DEFAULT_MODEL, LOCAL_CLUSTER.max_num_seqs, cluster.engine_api_key)
+    return {"prefill_tokens_per_s": round(measured.prefill_tokens_per_s, 1),
+            "decode_tokens_per_s_full_batch": round(measured.decode_tokens_per_s, 1)}
+
+
+async def calibrate(cluster, apis, runtime: str = "kvfleet") -> dict:
     """One engine alone: prompt overhead of the chat template, decode tokens/s with one sequence, requests/s with
-    a full batch and a queue behind it (mean shape of the trace), and the engine's own capacity gauges."""
+    a full batch and a queue behind it (mean shape of the trace), its capacity probed from outside, and the
+    engine's own capacity gauges (kvfleet's engine; vLLM has none: the probe stands in for them)."""
+    probe = await probed(cluster, apis)
     rng = random.Random(1)
     async with httpx.AsyncClient(timeout=600) as http:
         sizes = {}
@@ -209,8 +239,8 @@ async def calibrate(cluster, apis) -> dict:
             done = await asyncio.gather(*(chat(http, cluster.url, shape, overhead, rng, time.monotonic())
                                           for _ in range(n)))
             rates.append(sum(1 for d in done if d["status"] == 200) / (time.monotonic() - t0))
-    gauges = await asyncio.to_thread(engine_metrics, cluster, apis)
-    return {"prompt_overhead_tokens": overhead, "tokens_per_word": round(slope, 3),
+    gauges = await asyncio.to_thread(engine_metrics, cluster, apis) if runtime == "kvfleet" else [probe]
+    return {"runtime": runtime, "probe": probe, "prompt_overhead_tokens": overhead, "tokens_per_word": round(slope, 3),
             "decode_tokens_per_s_one_sequence": round(max(timings), 2),
             "requests_per_s_full_batch_88_40": round(max(rates), 3), "engine_gauges": gauges}
 
@@ -391,11 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bursts", default="90:45:4,270:60:3,420:40:5", help="start:seconds:factor,...")
     p.add_argument("--max-replicas", type=int, default=3)
     p.add_argument("--interval", type=int, default=5)
+    p.add_argument("--runtime", choices=("kvfleet", "vllm"), default="kvfleet", help="the fleet's spec.runtime")
     args = p.parse_args(argv)
     if args.mode == "calibrate":
-        cluster = start_cluster(1, args.interval)
+        cluster = start_cluster(1, args.interval, args.runtime)
         try:
-            cal = asyncio.run(calibrate(cluster, kube(cluster)))
+            cal = asyncio.run(calibrate(cluster, kube(cluster), args.runtime))
         finally:
             cluster.stop()
         args.out.write_text(json.dumps(cal, indent=1))
@@ -409,14 +440,20 @@ def main(argv: list[str] | None = None) -> int:
     bursts = [tuple(float(x) for x in b.split(":")) for b in args.bursts.split(",")]
     rows = bursty_trace(args.base_rps, args.duration, [(int(s), int(d), f) for s, d, f in bursts])
     write_trace(rows, args.trace_copy)
-    cluster = start_cluster(args.max_replicas, args.interval)
+    if (measured := cal.get("runtime", "kvfleet")) != args.runtime:
+        p.error(f"--calibration {args.calibration} measured {measured} engines, not {args.runtime}")
+    # vLLM's pods do not report their capacity: the fleet declares what the calibration probed, as a user would
+    capacity = None if args.runtime == "kvfleet" else {"prefillTokensPerSecond": cal["probe"]["prefill_tokens_per_s"],
+                                                       "decodeTokensPerSecond":
+                                                           cal["probe"]["decode_tokens_per_s_full_batch"]}
+    cluster = start_cluster(args.max_replicas, args.interval, args.runtime, capacity)
     try:
         e2e = asyncio.run(run_e2e(cluster, kube(cluster), rows, cal["prompt_overhead_tokens"], args.duration))
     finally:
         cluster.stop()
     report = {"trace": {"csv": str(args.trace_copy), "requests": len(rows), "duration_s": args.duration,
                         "base_rps": args.base_rps, "bursts_start_s_factor": bursts},
-              "fleet": fleet_manifest(args.max_replicas), "autoscale_interval_s": args.interval,
+              "fleet": fleet_manifest(args.max_replicas, args.runtime, capacity), "autoscale_interval_s": args.interval,
               "calibration": cal, "e2e": e2e}
     write_report(report, args.json)  # the cluster's side first: the simulator's can be redone (predict)
     write_report(report | predict(report), args.json)

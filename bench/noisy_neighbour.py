@@ -293,7 +293,6 @@ def start_smg(fleet: BenchFleet, arm: Arm, name: str, args: argparse.Namespace) 
     argv = [*peer.argv([], port, metrics_port, policy=arm.policy), "--priority-scheduler-enabled",
             "--priority-scheduler-config", str(config), "--trust-tenant-header", "--tenant-header-name",
             headers.TENANT]
-    argv.remove("--worker-urls")
     child = spawn_child(f"smg-{name}", argv, url=f"http://127.0.0.1:{port}", log_dir=fleet.log_dir)
     try:
         child.wait_ready(lambda: get(child.url + "/health") is not None, 30.0, poll_s=0.2)

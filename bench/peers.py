@@ -57,8 +57,10 @@ class Peer:
 
     def argv(self, engine_urls: list[str], port: int | str, metrics_port: int | str, policy: str = "round_robin"
              ) -> list[str]:
+        """Its command line; with no engine URLs it starts with no workers (they are registered later)."""
+        workers = ["--worker-urls", *engine_urls] if engine_urls else []
         return [str(self.venv / "bin" / self.command[0]), *self.command[1:], "--host", "127.0.0.1",
-                "--port", str(port), "--worker-urls", *engine_urls, "--policy", policy,
+                "--port", str(port), *workers, "--policy", policy,
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), *self.extra]
 
 

@@ -132,7 +132,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="drive a running gateway or engine with streaming requests; report latencies",
-                       epilog="kvfleet bench autoscale --help: replay a trace under autoscaling policies instead")
+                       epilog="kvfleet bench autoscale --help: replay a trace under autoscaling policies instead; "
+                              "kvfleet bench capacity --help: measure one engine's capacity for the autoscaler")
     p.add_argument("--url", default=None, help="the gateway's or engine's base URL (required unless --replot)")
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--rate", type=float, default=float("inf"),
@@ -324,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvfleet.autoscale_replay.cli import main as replay_main
 
         return replay_main(argv[2:])
+    if argv[:2] == ["bench", "capacity"]:
+        from kvfleet.capacity_probe import main as capacity_main
+
+        return capacity_main(argv[2:])
     if argv[:1] == ["plan"]:
         from kvfleet.plan.cli import main as plan_main
 

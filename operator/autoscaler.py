@@ -1,9 +1,11 @@
 """How many engine pods a fleet should have: a pure function of what was observed and what was decided before.
 
-When the pods report their measured capacity and the gateways' per-class counts are there, the SLO-class planner
-decides (operator/planner.py: pods in units of work per class over the measured cold start, a standing margin for
-the critical class); the scale-down window then shortens to twice the cold start (at least 60 s), and the burst
-rules and step caps below do not apply (the plan covers them). Otherwise (vLLM pods, no Redis) the load signals:
+When the pods report their measured capacity (kvfleet engines), or the fleet declares one pod's capacity
+(spec.autoscaling.capacity, as profiled: vLLM pods do not measure theirs), and the gateways' per-class counts are
+there, the SLO-class planner decides (operator/planner.py: pods in units of work per class over the measured cold
+start, a standing margin for the critical class); the scale-down window then shortens to twice the cold start (at
+least 60 s), and the burst rules and step caps below do not apply (the plan covers them). Otherwise (no capacity
+known, no Redis) the load signals:
 
 After Kubernetes' HPA: desired = ceil(current × observed / target) for each signal (KV-cache usage per pod,
 waiting requests per replica including the gateway's queue), the larger wins; no change within the tolerance;
@@ -25,7 +27,7 @@ from typing import Any
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.slo import DEFAULT_SLO_CLASSES, ClassWindow, SloClass
 from kvfleet.operator.fleet_fields import autoscaling_default
-from kvfleet.operator.planner import UTILIZATION, PlannerMemory, measured_capacity, plan
+from kvfleet.operator.planner import UTILIZATION, Capacity, PlannerMemory, measured_capacity, plan
 
 PERIOD_ALLOWANCE_S = 15.0  # the planner's horizon: cold start + one decision period (the operator's default)
 # With a plan, a scale-down waits the smaller of scaleDownStabilizationSeconds and this or twice the cold start: the
@@ -53,6 +55,7 @@ class AutoscalingPolicy:
     cold_start_s: float = autoscaling_default("cold_start_s")  # until measured (Observation.cold_start_s)
     slo: Mapping[Priority, SloClass] = field(default_factory=lambda: dict(DEFAULT_SLO_CLASSES))
     planner_utilization: float = UTILIZATION  # work per pod the SLO planner aims at (a full batch is 1)
+    capacity: Capacity | None = None  # one pod's, as declared; what the pods measure of their own wins
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -240,8 +243,9 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
         state.panic_until = now + policy.stable_window_s
     panic = now < state.panic_until
 
-    capacity = state.planner.learn_capacity(measured_capacity(
+    learned = state.planner.learn_capacity(measured_capacity(
         (p.prefill_tokens_per_s, p.decode_tokens_per_s_full_batch) for p in obs.pods))
+    capacity = learned if learned is not None else policy.capacity
     planned = None
     if current == 0:
         desired, reason = _from_zero(obs, policy)

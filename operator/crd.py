@@ -17,10 +17,12 @@ from kvfleet.operator.fleet_fields import (
     SPEC_FIELDS,
 )
 from kvfleet.operator.fleet_spec import (
+    CAPACITY_FIELDS,
     ENGINE_API_KEY_ENV,
     ENGINE_API_KEY_SECRET_KEY,
     GROUP,
     KIND,
+    MAX_TOKENS_PER_S,
     PLURAL,
     VERSION,
 )
@@ -57,6 +59,20 @@ def slo_class_schema(default: SloClass) -> dict:
     share = "best effort" if default.best_effort else f"for {default.attainment:.1%} of requests"
     return {"type": "object", "properties": properties,
             "description": f"default: TTFT <= {default.ttft_s:g} s, {share}"}
+
+
+def capacity_schema() -> dict:
+    """spec.autoscaling.capacity: both rates or neither (operator/fleet_spec.py's _capacity reads it)."""
+    rate = {"type": "number", "minimum": 0, "maximum": MAX_TOKENS_PER_S,
+            **_open_bound("self > 0.0", "a rate must be above 0")}
+    return {"type": "object", "required": list(CAPACITY_FIELDS),
+            "description": "one engine pod's capacity, as profiled (`kvfleet bench capacity`), for the SLO planner: "
+                           "kvfleet engines measure their own and it wins; vLLM pods do not, and without this their "
+                           "fleet scales on KV usage and queue length",
+            "properties": {
+                "prefillTokensPerSecond": rate | {"description": "prompt tokens per second of one pod"},
+                "decodeTokensPerSecond": rate | {"description": "output tokens per second of one pod with a full "
+                                                                "batch (maxNumSeqs sequences)"}}}
 
 
 def slo_classes_schema() -> dict:
@@ -120,7 +136,7 @@ SPEC_SCHEMA = {
         "autoscaling": {
             "type": "object",
             "properties": {**{f.name: f.schema() for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)},
-                           "sloClasses": slo_classes_schema()},
+                           "sloClasses": slo_classes_schema(), "capacity": capacity_schema()},
             "x-kubernetes-validations": [{"rule": "!has(self.minReplicas) || !has(self.maxReplicas) || "
                                                   "self.minReplicas <= self.maxReplicas",
                                           "message": "minReplicas must not exceed maxReplicas"}],

@@ -31,6 +31,7 @@ from kvfleet.operator.fleet_fields import (
     FleetField,
     spec_default,
 )
+from kvfleet.operator.planner import Capacity
 
 __all__ = ["DEFAULT_IMAGE", "ENGINE_API_KEY_ENV", "ENGINE_PORT", "FleetEngineSettings", "FleetSpec", "InvalidSpec",
            "parse_fleet"]
@@ -173,6 +174,30 @@ def _slo_classes(auto: dict) -> dict[Priority, SloClass]:
     return classes
 
 
+CAPACITY_FIELDS = {"prefillTokensPerSecond": "prefill_tokens_per_s", "decodeTokensPerSecond": "decode_tokens_per_s"}
+MAX_TOKENS_PER_S = 1e9
+
+
+def _capacity(auto: dict) -> Capacity | None:
+    """spec.autoscaling.capacity: one pod's profiled capacity (both rates), or None when left out."""
+    given, where = auto.get("capacity"), "spec.autoscaling.capacity"
+    if given is None:
+        return None
+    if not isinstance(given, dict):
+        raise InvalidSpec(f"{where} must be an object: {{{', '.join(CAPACITY_FIELDS)}}}, not {given!r:.80}")
+    bad = next((k for k in given if k not in CAPACITY_FIELDS), None)
+    if bad is not None:
+        raise InvalidSpec(f"{where}.{bad} is not a field; write {' and '.join(CAPACITY_FIELDS)}")
+    values = {}
+    for key, attr in CAPACITY_FIELDS.items():
+        v = given.get(key)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= MAX_TOKENS_PER_S:
+            raise InvalidSpec(f"{where}.{key} must be one pod's tokens per second, above 0 and at most "
+                              f"{MAX_TOKENS_PER_S:g}, not {v!r:.80} (`kvfleet bench capacity` measures it)")
+        values[attr] = float(v)
+    return Capacity(**values)
+
+
 def _engine_auth(spec: dict[str, Any], default_secret: str | None) -> tuple[str | None, str]:
     """spec.engineAuth names the token's Secret; without it the operator's --engine-api-key-secret applies,
     and `secretName: ""` turns the token off for this fleet."""
@@ -218,10 +243,10 @@ def parse_fleet(name: str, namespace: str, spec: dict[str, Any], default_api_key
         raise InvalidSpec("spec.model is required: a known model name (smollm2-135m-instruct) or a path in the image")
     settings = _engine(_section(spec, "engine"))
     auto = _section(spec, "autoscaling")
-    slo = _slo_classes(auto)
+    slo, capacity = _slo_classes(auto), _capacity(auto)
     try:
         policy = AutoscalingPolicy(**{f.attr: _read(auto, f, "spec.autoscaling") for f in AUTOSCALING_FIELDS},
-                                   slo=slo)
+                                   slo=slo, capacity=capacity)
     except ValueError as err:  # an InvalidSpec of a field too, as before: the message gains the prefix
         raise InvalidSpec(f"spec.autoscaling: {err}") from None
     resources = spec.get("resources") or {}

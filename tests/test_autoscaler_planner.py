@@ -116,6 +116,18 @@ def test_without_measured_capacity_the_queue_and_kv_signals_decide() -> None:
     assert decision.plan is None and "KV usage" in decision.reason
 
 
+def test_a_declared_capacity_plans_a_fleet_whose_pods_do_not_measure_theirs() -> None:
+    vllm = (PodLoad(0.2, 3, 0),) * 4  # vLLM's gauges: KV usage, running, waiting; no capacity figures
+    policy = AutoscalingPolicy(max_replicas=64, capacity=Capacity(PREFILL, DECODE))
+    decision = recommend(Observation(0.0, 4, vllm, 0, classes(STEADY), 30.0), policy, AutoscalerState())
+    assert "plan" in decision.reason
+    assert decision.plan["workPods"]["standard"] == pytest.approx(2.5 * WORK_S, rel=0.02)
+    # a pod that measures itself wins over the declaration: half the declared speed, twice the work per request
+    slow = PodLoad(0.2, 3, 0, 64, PREFILL / 2, DECODE / 2)
+    measured = recommend(Observation(0.0, 4, (slow,) * 4, 0, classes(STEADY), 30.0), policy, AutoscalerState())
+    assert measured.plan["workPods"]["standard"] == pytest.approx(2 * 2.5 * WORK_S, rel=0.02)
+
+
 def test_capacity_is_learned_as_a_moving_average_and_odd_readings_are_ignored() -> None:
     memory = PlannerMemory()
     memory.learn_capacity(Capacity(500.0, 100.0))

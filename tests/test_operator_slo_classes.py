@@ -23,6 +23,7 @@ from kvfleet.fleet.slo_stats import ARRIVALS, COMPLETED, SHED, field, slot_start
 from kvfleet.kube_emulator import KubeEmulator
 from kvfleet.operator.crd import build_crd
 from kvfleet.operator.fleet_spec import InvalidSpec, parse_fleet
+from kvfleet.operator.planner import Capacity
 from kvfleet.redis_server import RedisServer
 from tests.test_operator_kmock import FLEETS, create_fleet, eventually
 
@@ -86,6 +87,42 @@ def test_hostile_values_are_refused_naming_the_field(given: object, field_name: 
 def test_an_unknown_class_is_refused_with_the_classes_to_write() -> None:
     with pytest.raises(InvalidSpec, match="vip is not a priority class; write critical, standard, sheddable"):
         parse_fleet("f", "ns", fleet_doc({"vip": {"ttftSeconds": 1}})["spec"])
+
+
+def capacity_doc(capacity: object) -> dict:
+    return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceFleet", "metadata": {"name": "f"},
+            "spec": {"model": "m", "runtime": "vllm", "autoscaling": {"enabled": True, "capacity": capacity}}}
+
+
+def test_a_profiled_capacity_is_taken_and_left_out_means_the_pods_measure_it() -> None:
+    given = {"prefillTokensPerSecond": 480, "decodeTokensPerSecond": 116.5}
+    jsonschema.validate(capacity_doc(given), SCHEMA)
+    assert parse_fleet("f", "ns", capacity_doc(given)["spec"]).autoscaling.capacity == Capacity(480.0, 116.5)
+    assert parse_fleet("f", "ns", {"model": "m"}).autoscaling.capacity is None
+
+
+HOSTILE_CAPACITY = [
+    ({"prefillTokensPerSecond": 480}, "decodeTokensPerSecond", True),  # both or neither
+    ({"prefillTokensPerSecond": 0, "decodeTokensPerSecond": 10}, "prefillTokensPerSecond", False),  # CEL: > 0
+    ({"prefillTokensPerSecond": -5, "decodeTokensPerSecond": 10}, "prefillTokensPerSecond", True),
+    ({"prefillTokensPerSecond": "fast", "decodeTokensPerSecond": 10}, "prefillTokensPerSecond", True),
+    ({"prefillTokensPerSecond": True, "decodeTokensPerSecond": 10}, "prefillTokensPerSecond", True),
+    ({"prefillTokensPerSecond": 480, "decodeTokensPerSecond": 1e12}, "decodeTokensPerSecond", True),
+    ({"prefillTokensPerSecond": 480, "decodeTokensPerSecond": 10, "batch": 4}, "batch", False),  # pruned
+    ([480, 10], "", True),
+]
+
+
+@pytest.mark.parametrize(("given", "field_name", "schema_refuses"), HOSTILE_CAPACITY,
+                         ids=[json.dumps(h[0]) for h in HOSTILE_CAPACITY])
+def test_a_hostile_capacity_is_refused_naming_the_field(given: object, field_name: str, schema_refuses: bool) -> None:
+    with pytest.raises(InvalidSpec) as refused:
+        parse_fleet("f", "ns", capacity_doc(given)["spec"])
+    where = "spec.autoscaling.capacity" + (f".{field_name}" if field_name else "")
+    assert str(refused.value).startswith(where + " ")
+    if schema_refuses:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(capacity_doc(given), SCHEMA)
 
 
 @pytest.fixture(scope="module")
