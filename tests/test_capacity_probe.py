@@ -15,7 +15,6 @@ import pytest
 from kvfleet.capacity_probe import full_batch_rate, prefill_rate
 from kvfleet.fleet.ports import free_port
 from kvfleet.operator.fleet_spec import parse_fleet
-from tests.conftest import VLLM_GROUP
 from tests.vllm_engines import MAX_NUM_SEQS, SERVED
 
 
@@ -59,7 +58,6 @@ def one_stream_rate(url: str, token: dict) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-@pytest.mark.xdist_group(VLLM_GROUP)
 def test_the_command_measures_a_vllm_engine_into_a_capacity_the_operator_takes(vllm_fleet) -> None:
     vllm_fleet.wait_idle()
     engine = vllm_fleet.engines[0]

@@ -80,8 +80,11 @@ def test_the_crds_engine_defaults_are_the_parsers() -> None:
 def test_the_crds_autoscaling_and_spec_defaults_are_the_parsers_and_the_policys() -> None:
     auto_schema = SPEC_SCHEMA["properties"]["autoscaling"]["properties"]
     fleet = parse_fleet("f", "ns", MINIMAL)
-    # sloClasses, the one structured field, defaults from kvfleet/fleet/slo.py (tests/test_operator_slo_classes.py)
-    assert set(auto_schema) == {f.name for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)} | {"sloClasses"}
+    # The structured fields: sloClasses defaults from kvfleet/fleet/slo.py, capacity has no default (absent: the pods
+    # measure theirs); both in tests/test_operator_slo_classes.py
+    assert set(auto_schema) == {f.name for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)} | {"sloClasses",
+                                                                                                  "capacity"}
+    assert "default" not in auto_schema["capacity"] and fleet.autoscaling.capacity is None
     for f in AUTOSCALING_FIELDS:
         assert auto_schema[f.name]["default"] == getattr(fleet.autoscaling, f.attr) == getattr(
             AutoscalingPolicy(), f.attr), f.name
