@@ -135,6 +135,7 @@ def bench_serve(url: str, model: Path, workload: str, num_prompts: int, rate: fl
 
 
 def run_engine(kind: str, args: argparse.Namespace, model: Path, work: Path, rates: dict[str, float]) -> dict:
+    (work / "logs").mkdir(exist_ok=True)
     child = start_engine(kind, args.dtype, model, work / "logs")
     out: dict = {}
     try:
@@ -181,9 +182,13 @@ def table(report: dict) -> str:
             if not run:
                 continue
             q = r.get(kind, {}).get(workload, {})
-            lines.append(f"| {workload} | {kind} | {run['output_throughput']:.0f} | {q.get('output_throughput', 0):.2f}"
-                         f" | {run['mean_ttft_ms']:.0f} | {q.get('mean_ttft_ms', 0):.2f} | {run['p99_ttft_ms']:.0f}"
-                         f" | {run['mean_tpot_ms']:.1f} | {q.get('mean_tpot_ms', 0):.2f} | {run['p99_tpot_ms']:.1f}"
+
+            def ratio(figure: str, q: dict = q) -> str:
+                return f"{q[figure]:.2f}" if figure in q else "—"
+
+            lines.append(f"| {workload} | {kind} | {run['output_throughput']:.0f} | {ratio('output_throughput')}"
+                         f" | {run['mean_ttft_ms']:.0f} | {ratio('mean_ttft_ms')} | {run['p99_ttft_ms']:.0f}"
+                         f" | {run['mean_tpot_ms']:.1f} | {ratio('mean_tpot_ms')} | {run['p99_tpot_ms']:.1f}"
                          f" | {runs.get('peak_rss_mib', '')} |")
     return "\n".join(lines)
 
