@@ -1,21 +1,17 @@
 """`kvfleet bench capacity`: one engine's prefill and full-batch decode rates measured from outside, for a fleet
 whose pods do not report their own (vLLM: spec.autoscaling.capacity). The window arithmetic on made-up arrival
-times, then the command against a real vLLM engine of the session's fleet, whose answer the operator must accept."""
+times and an engine that is not there; the command against a real vLLM engine is in tests/test_vllm_fleet.py (it
+shares that module's vLLM fleet)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from kvfleet.capacity_probe import full_batch_rate, prefill_rate
 from kvfleet.fleet.ports import free_port
-from kvfleet.operator.fleet_spec import parse_fleet
-from tests.vllm_engines import MAX_NUM_SEQS, SERVED
 
 
 def test_the_decode_rate_counts_only_while_every_stream_was_decoding() -> None:
@@ -46,29 +42,3 @@ def capacity_command(*args: str) -> subprocess.CompletedProcess:
 def test_an_engine_that_is_not_there_is_a_message_not_a_traceback() -> None:
     done = capacity_command("--url", f"http://127.0.0.1:{free_port()}", "--model", "m", "--max-num-seqs", "4")
     assert done.returncode == 2 and "kvfleet bench capacity:" in done.stderr and "Traceback" not in done.stderr
-
-
-def one_stream_rate(url: str, token: dict) -> float:
-    stamps = []
-    with httpx.stream("POST", f"{url}/v1/completions", headers=token, timeout=120, json={
-            "model": SERVED, "prompt": "Count on:", "max_tokens": 48, "ignore_eos": True, "stream": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                stamps.append(time.monotonic())
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-
-def test_the_command_measures_a_vllm_engine_into_a_capacity_the_operator_takes(vllm_fleet) -> None:
-    vllm_fleet.wait_idle()
-    engine = vllm_fleet.engines[0]
-    done = capacity_command("--url", engine, "--model", SERVED, "--max-num-seqs", str(MAX_NUM_SEQS),
-                            "--api-key", vllm_fleet.fleet.engine_api_key)
-    assert done.returncode == 0, done.stderr
-    capacity = json.loads(done.stdout.splitlines()[0])["capacity"]
-    fleet = parse_fleet("chat", "ns", {"model": SERVED, "runtime": "vllm", "autoscaling": {"capacity": capacity}})
-    assert fleet.autoscaling.capacity.decode_tokens_per_s == capacity["decodeTokensPerSecond"]
-    # a full batch decodes faster than one sequence alone, and prompt tokens go faster than generated ones
-    alone = one_stream_rate(engine, vllm_fleet.token)
-    assert capacity["decodeTokensPerSecond"] > 1.5 * alone
-    assert capacity["prefillTokensPerSecond"] > capacity["decodeTokensPerSecond"]
-    vllm_fleet.wait_idle()

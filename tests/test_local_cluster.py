@@ -155,13 +155,19 @@ def test_ages_read_as_kubectl_prints_them(seconds: int, shown: str) -> None:
     assert human_age(seconds) == shown
 
 
+def running_children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+
+
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir):
     """One local cluster for the module's tests; the last test stops it and checks what is left."""
     cluster = LocalCluster(ClusterSpec(default_fleet("chat", max_replicas=1), port=free_port(),
                                        autoscale_interval_s=2))
+    before = set(running_children())  # other tests' processes (the session's vLLM fleet) are not this cluster's
     try:
         cluster.start()
+        cluster.processes = [p for p in running_children() if p not in before]
         yield cluster
     finally:
         cluster.stop()
@@ -211,7 +217,7 @@ def test_kubectl_gets_fleets_and_pods_as_on_a_cluster(cluster: LocalCluster) -> 
 
 
 def test_stopping_the_kubernetes_path_leaves_nothing_behind(cluster: LocalCluster) -> None:
-    children = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+    children = [p for p in cluster.processes if p.is_running()]
     assert len(children) >= 4  # redis-server, the operator, the gateway, an engine
     cluster.stop()
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -18,7 +18,9 @@ import pytest
 
 from kvfleet.fleet import headers
 from kvfleet.gateway.routing.pick import SaturationPolicy
+from kvfleet.operator.fleet_spec import parse_fleet
 from tests.conftest import start_engine_server, start_gateway, stop_process
+from tests.test_capacity_probe import capacity_command
 from tests.test_fault_drills import saturated
 from tests.vllm_engines import BLOCK_SIZE, MAX_NUM_SEQS, SERVED, START_TIMEOUT_S, metric
 
@@ -248,3 +250,27 @@ def test_a_vllm_engine_that_dies_is_the_engines_failure_and_comes_back_with_the_
     system = system_prompt()
     ask(engine, system, "First question?", auth=vllm.token)
     assert_second_question_hits_as_predicted(vllm, vllm.url, engine, system)
+
+
+def one_stream_rate(url: str, token: dict) -> float:
+    stamps = []
+    with httpx.stream("POST", f"{url}/v1/completions", headers=token, timeout=120, json={
+            "model": SERVED, "prompt": "Count on:", "max_tokens": 48, "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.monotonic())
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def test_kvfleet_bench_capacity_measures_a_vllm_engine_into_a_capacity_the_operator_takes(vllm) -> None:
+    engine = vllm.engines[0]
+    done = capacity_command("--url", engine, "--model", SERVED, "--max-num-seqs", str(MAX_NUM_SEQS),
+                            "--api-key", vllm.fleet.engine_api_key)
+    assert done.returncode == 0, done.stderr
+    capacity = json.loads(done.stdout.splitlines()[0])["capacity"]
+    fleet = parse_fleet("chat", "ns", {"model": SERVED, "runtime": "vllm", "autoscaling": {"capacity": capacity}})
+    assert fleet.autoscaling.capacity.decode_tokens_per_s == capacity["decodeTokensPerSecond"]
+    # a full batch decodes faster than one sequence alone, and prompt tokens go faster than generated ones
+    alone = one_stream_rate(engine, vllm.token)
+    assert capacity["decodeTokensPerSecond"] > 1.5 * alone
+    assert capacity["prefillTokensPerSecond"] > capacity["decodeTokensPerSecond"]
