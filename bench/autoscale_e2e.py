@@ -22,7 +22,7 @@ vLLM user would; the probe runs on kvfleet's engine too, beside the engine's own
 
     python -m bench.autoscale_e2e calibrate --runtime vllm --out /tmp/cal-vllm.json
     python -m bench.autoscale_e2e run --runtime vllm --calibration /tmp/cal-vllm.json --max-replicas 2 \
-        --base-rps 0.3 --json docs/benchmarks/autoscale_e2e_vllm.json \
+        --base-rps 1.5 --json docs/benchmarks/autoscale_e2e_vllm.json \
         --trace-copy docs/benchmarks/autoscale_e2e_vllm_trace.csv
 """
 

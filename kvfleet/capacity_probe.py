@@ -13,27 +13,16 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass
 
 import httpx
 
 from kvfleet.loadgen import SSE_DONE, WORDS, sse_data
+from kvfleet.operator.fleet_spec import capacity_spec
+from kvfleet.operator.planner import Capacity
 
 PROMPT_WORDS = (32, 512)  # the short and the long prompt of the prefill probe
 TRIES = 3  # each prompt's fastest of this many answers counts
 DECODE_TOKENS = 96  # each stream's answer in the decode probe
-
-
-@dataclass(frozen=True)
-class ProbedCapacity:
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    max_num_seqs: int
-
-    def as_spec(self) -> dict:
-        """spec.autoscaling.capacity as an InferenceFleet writes it."""
-        return {"prefillTokensPerSecond": round(self.prefill_tokens_per_s, 1),
-                "decodeTokensPerSecond": round(self.decode_tokens_per_s, 1)}
 
 
 def text(words: int, rng: random.Random) -> str:
@@ -86,7 +75,7 @@ async def _stream(http: httpx.AsyncClient, url: str, model: str, rng: random.Ran
 
 
 async def probe(url: str, model: str, max_num_seqs: int, api_key: str | None = None,
-                timeout_s: float = 600.0, seed: int = 0) -> ProbedCapacity:
+                timeout_s: float = 600.0, seed: int = 0) -> Capacity:
     """Measure an idle engine (or a gateway in front of exactly one idle engine)."""
     if max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be at least 1, not {max_num_seqs}")
@@ -101,8 +90,7 @@ async def probe(url: str, model: str, max_num_seqs: int, api_key: str | None = N
             timed[words] = (max(n for n, _ in runs), min(t for _, t in runs))
         t0 = time.monotonic()
         streams = await asyncio.gather(*(_stream(http, url, model, rng, t0) for _ in range(max_num_seqs)))
-    return ProbedCapacity(prefill_rate(timed[PROMPT_WORDS[0]], timed[PROMPT_WORDS[1]]),
-                          full_batch_rate(list(streams)), max_num_seqs)
+    return Capacity(prefill_rate(timed[PROMPT_WORDS[0]], timed[PROMPT_WORDS[1]]), full_batch_rate(list(streams)))
 
 
 def main(argv: list[str]) -> int:
@@ -120,8 +108,8 @@ def main(argv: list[str]) -> int:
     except (ValueError, httpx.HTTPError) as err:
         print(f"kvfleet bench capacity: {err}", file=sys.stderr)
         return 2
-    print(json.dumps({"capacity": measured.as_spec(), "max_num_seqs": measured.max_num_seqs}))
-    print("# spec.autoscaling of the InferenceFleet (engine.maxNumSeqs "
-          f"{measured.max_num_seqs}):\ncapacity:\n" + "".join(f"  {k}: {v}\n" for k, v in measured.as_spec().items()),
-          end="")
+    spec = capacity_spec(measured)
+    print(json.dumps({"capacity": spec, "max_num_seqs": args.max_num_seqs}))
+    print(f"# spec.autoscaling of the InferenceFleet (engine.maxNumSeqs {args.max_num_seqs}):\ncapacity:\n"
+          + "".join(f"  {k}: {v}\n" for k, v in spec.items()), end="")
     return 0

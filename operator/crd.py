@@ -69,10 +69,7 @@ def capacity_schema() -> dict:
             "description": "one engine pod's capacity, as profiled (`kvfleet bench capacity`), for the SLO planner: "
                            "kvfleet engines measure their own and it wins; vLLM pods do not, and without this their "
                            "fleet scales on KV usage and queue length",
-            "properties": {
-                "prefillTokensPerSecond": rate | {"description": "prompt tokens per second of one pod"},
-                "decodeTokensPerSecond": rate | {"description": "output tokens per second of one pod with a full "
-                                                                "batch (maxNumSeqs sequences)"}}}
+            "properties": {key: rate | {"description": text} for key, (_, text) in CAPACITY_FIELDS.items()}}
 
 
 def slo_classes_schema() -> dict:

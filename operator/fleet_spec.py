@@ -174,8 +174,18 @@ def _slo_classes(auto: dict) -> dict[Priority, SloClass]:
     return classes
 
 
-CAPACITY_FIELDS = {"prefillTokensPerSecond": "prefill_tokens_per_s", "decodeTokensPerSecond": "decode_tokens_per_s"}
+# spec.autoscaling.capacity's fields: the Capacity attribute each becomes, and what it means (the CRD's description)
+CAPACITY_FIELDS = {
+    "prefillTokensPerSecond": ("prefill_tokens_per_s", "prompt tokens per second of one pod"),
+    "decodeTokensPerSecond": ("decode_tokens_per_s", "output tokens per second of one pod with a full batch "
+                                                     "(maxNumSeqs sequences)"),
+}
 MAX_TOKENS_PER_S = 1e9
+
+
+def capacity_spec(capacity: Capacity) -> dict[str, float]:
+    """spec.autoscaling.capacity as a fleet writes it (what `kvfleet bench capacity` prints)."""
+    return {key: round(getattr(capacity, attr), 1) for key, (attr, _) in CAPACITY_FIELDS.items()}
 
 
 def _capacity(auto: dict) -> Capacity | None:
@@ -189,7 +199,7 @@ def _capacity(auto: dict) -> Capacity | None:
     if bad is not None:
         raise InvalidSpec(f"{where}.{bad} is not a field; write {' and '.join(CAPACITY_FIELDS)}")
     values = {}
-    for key, attr in CAPACITY_FIELDS.items():
+    for key, (attr, _) in CAPACITY_FIELDS.items():
         v = given.get(key)
         if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= MAX_TOKENS_PER_S:
             raise InvalidSpec(f"{where}.{key} must be one pod's tokens per second, above 0 and at most "
