@@ -177,7 +177,8 @@ def test_sheddable_traffic_is_shed_under_overload_and_standard_is_served(target)
 
 
 def test_idle_traffic_scales_down(target) -> None:
-    patch_autoscaling(target, scaleDownStabilizationSeconds=10)
+    # the windows at their shortest useful values, so the scenario waits seconds, not the defaults' minute
+    patch_autoscaling(target, scaleDownStabilizationSeconds=10, stableWindowSeconds=6)
     f = fleet_when(target, lambda o: scaled_to(o) == 1, "the idle fleet scaled back to 1 replica")
     assert f["status"]["scalingHistory"][-1]["reason"].startswith("down"), f["status"]["scalingHistory"][-1]
     eventually(lambda: len(engine_pods(target)) == 1, LOAD_TIMEOUT_S, "one engine pod left", target)

@@ -241,6 +241,9 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
     burst = level > 0 and len(state.loads) > 1 and level >= policy.panic_threshold * max(stable, 1e-9)
     if burst:
         state.panic_until = now + policy.stable_window_s
+    # a stable window shortened since the burst (the fleet's spec edited) bounds the hold from now on, as a changed
+    # HPA behavior applies at its next sync
+    state.panic_until = min(state.panic_until, now + policy.stable_window_s)
     panic = now < state.panic_until
 
     learned = state.planner.learn_capacity(measured_capacity(

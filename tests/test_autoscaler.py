@@ -151,6 +151,16 @@ def test_a_shorter_stable_window_ends_the_bursts_hold_sooner() -> None:
     assert recommend(obs(31, [0.1] * 4, current=4, running=0), policy, state).desired < 4  # 60 s by default
 
 
+def test_a_stable_window_shortened_after_a_burst_ends_the_hold_that_burst_started() -> None:
+    policy = AutoscalingPolicy(max_replicas=20, scale_down_stabilization_s=0, stable_window_s=60)
+    state = AutoscalerState()
+    steady(state, policy, obs(0, [0.7, 0.7], running=2), range(0, 60, 15))
+    assert recommend(obs(60, [1.0, 1.0], waiting=10, running=4), policy, state).panic  # a hold until 120
+    edited = replace(policy, stable_window_s=6)  # the fleet's spec edited at 70
+    assert "burst hold" in recommend(obs(70, [0.1] * 4, current=4, running=0), edited, state).reason
+    assert recommend(obs(77, [0.1] * 4, current=4, running=0), edited, state).desired < 4  # not at 120
+
+
 def test_scale_to_zero_after_the_idle_period_and_back_when_the_gateway_queues() -> None:
     policy = AutoscalingPolicy(min_replicas=0, max_replicas=5, scale_down_stabilization_s=0,
                                scale_to_zero_idle_s=120)
