@@ -32,7 +32,8 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(residual + x), residual + x): the residual stream's next value and its normalized form. On CPUs
-        in float32 one fused pass writes the sum into `residual` (the stream is the model's own, never an input)."""
+        in float32 and bfloat16 one fused pass writes the sum into `residual` (the stream is the model's own, never an
+        input)."""
         if cpu_elementwise.applies(x, residual, self.weight):
             return cpu_elementwise.add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = residual + x
