@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -14,12 +16,36 @@ from tqdm import tqdm
 from kvfleet.engine.attention import AttentionBackend
 from kvfleet.engine.attention_select import build_attention_backend
 from kvfleet.engine.model_config import ModelConfig
-from kvfleet.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
+from kvfleet.engine.models.llama import LlamaForCausalLM
 from kvfleet.engine.packed_linear import can_pack, pack_linears
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+# torch.nn.init's random fills, which nn.Linear and nn.Embedding call when they are built
+_INIT_FILLS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+               "trunc_normal_")
+_init_patch = threading.Lock()
+
+
+@contextmanager
+def _initialization_skipped() -> Iterator[None]:
+    """Modules built inside leave their weights uninitialized (torch.empty): every weight is read from the checkpoint
+    next, and load_weights refuses a checkpoint that leaves any parameter unset. A random init only to be
+    overwritten was 1.4 s of a 135M model's start; building on the meta device instead ran torch's Python reference
+    ops, whose first use imports torch._dynamo (2 s). The same patch as transformers' no_init_weights; held under a
+    lock, so engines built by threads of one process never restore each other's no-ops."""
+    with _init_patch:
+        saved = {name: getattr(nn.init, name) for name in _INIT_FILLS}
+        for name in _INIT_FILLS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        try:
+            yield
+        finally:
+            for name, fill in saved.items():
+                setattr(nn.init, name, fill)
 
 
 def pick_device(name: str) -> torch.device:
@@ -63,14 +89,8 @@ def load_model(model_dir: Path, config: ModelConfig, block_size: int, max_positi
         attention_backend, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
         config.head_dim, block_size, dtype, device,
     )
-    # Built on the meta device, so no parameter is randomly initialized only to be overwritten by the checkpoint
-    # (1.4 s of a 135M model's start); load_weights refuses a checkpoint that leaves any parameter unset. The RoPE
-    # tables are buffers computed at construction, not loaded: built again on the device.
-    with torch.device("meta"):
+    with torch.device(device), _initialization_skipped():
         model = LlamaForCausalLM(config, backend, max_positions)
-    model.to_empty(device=device)
-    with torch.device(device):
-        model.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta)
     model.to(dtype)
     model.load_weights(iter_safetensors(model_dir, show_progress))
     model.eval().requires_grad_(False)

