@@ -73,6 +73,15 @@ def _narrow(values, bits):  # pragma: no cover - compiled by numba
         bits[j] = np.uint16((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
+def _norm_row_bf16(values, wide_weight, eps, scratch, bits):  # pragma: no cover - compiled by numba
+    """bits = the float32 row `values` RMS-normalized and scaled by wide_weight, rounded once to bfloat16."""
+    squares = np.float32(0.0)
+    for j in range(values.shape[0]):
+        squares += values[j] * values[j]
+    _normalize_row(values, squares, wide_weight, eps, scratch)
+    _narrow(scratch, bits)
+
+
 def _add_rms_norm_bf16(x, residual, weight, eps, out):  # pragma: no cover - compiled by numba
     """_add_rms_norm on bfloat16 bits: the sum is stored rounded to bfloat16 (as torch's bfloat16 add leaves it) and
     normalized as stored; the output is rounded once."""
@@ -86,11 +95,7 @@ def _add_rms_norm_bf16(x, residual, weight, eps, out):  # pragma: no cover - com
             total[j] += values[j]
         _narrow(total, residual[i])
         _widen(residual[i], total)
-        squares = np.float32(0.0)
-        for j in range(size):
-            squares += total[j] * total[j]
-        _normalize_row(total, squares, wide_weight, eps, values)
-        _narrow(values, out[i])
+        _norm_row_bf16(total, wide_weight, eps, values, out[i])
 
 
 def _rms_norm_bf16(x, weight, eps, out):  # pragma: no cover - compiled by numba
@@ -99,11 +104,7 @@ def _rms_norm_bf16(x, weight, eps, out):  # pragma: no cover - compiled by numba
     _widen(weight, wide_weight)
     for i in range(rows):
         _widen(x[i], values)
-        squares = np.float32(0.0)
-        for j in range(size):
-            squares += values[j] * values[j]
-        _normalize_row(values, squares, wide_weight, eps, normed)
-        _narrow(normed, out[i])
+        _norm_row_bf16(values, wide_weight, eps, normed, out[i])
 
 
 def _rotate_bf16(qkv, cos, sin, heads, head_dim):  # pragma: no cover - compiled by numba
@@ -127,6 +128,7 @@ def _rotate_bf16(qkv, cos, sin, heads, head_dim):  # pragma: no cover - compiled
 _normalize_row = compile_kernel(_normalize_row, inline="always")
 _widen = compile_kernel(_widen, inline="always")
 _narrow = compile_kernel(_narrow, inline="always")
+_norm_row_bf16 = compile_kernel(_norm_row_bf16, inline="always")
 _add_rms_norm = compile_kernel(_add_rms_norm)
 _rms_norm = compile_kernel(_rms_norm)
 _rotate = compile_kernel(_rotate)
