@@ -34,7 +34,7 @@ _init_patch = threading.Lock()
 def _initialization_skipped() -> Iterator[None]:
     """Modules built inside leave their weights uninitialized (torch.empty): every weight is read from the checkpoint
     next, and load_weights refuses a checkpoint that leaves any parameter unset. A random init only to be
-    overwritten was 1.4 s of a 135M model's start; building on the meta device instead ran torch's Python reference
+    overwritten was 1.0-1.3 s of a 135M model's start; building on the meta device instead ran torch's Python reference
     ops, whose first use imports torch._dynamo (2 s). The same patch as transformers' no_init_weights; held under a
     lock, so engines built by threads of one process never restore each other's no-ops."""
     with _init_patch:

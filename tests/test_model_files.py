@@ -137,8 +137,7 @@ def test_a_checkpoint_without_one_of_the_models_weights_is_refused_by_name(tmp_p
     out must stop the start, never serve from uninitialized memory."""
     from safetensors.torch import load_file, save_file
 
-    from kvfleet.engine.config import EngineConfig
-    from kvfleet.engine.llm_engine import LLMEngine
+    from tests.conftest import make_engine
 
     model_dir = tmp_path / "one-weight-short"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -147,4 +146,4 @@ def test_a_checkpoint_without_one_of_the_models_weights_is_refused_by_name(tmp_p
     del weights[dropped]
     save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks 1 weights.*layers\.1\.mlp\.down_proj"):
-        LLMEngine(EngineConfig(model=str(model_dir), max_model_len=64, kv_cache_memory="4MiB"))
+        make_engine(model_dir)
