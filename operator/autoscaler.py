@@ -104,10 +104,11 @@ class Observation:
     current_replicas: int  # what the Deployment has now (spec)
     pods: tuple[PodLoad, ...]  # its ready pods
     gateway_queued: int = 0  # the fleet's requests waiting in the gateway queue (Redis)
-    # What the gateways counted per class over the last minute (kvfleet/fleet/slo.py); empty when unknown.
+    # What the gateways counted per class over the stable window (planner.demand_windows; kvfleet/fleet/slo.py);
+    # empty when unknown.
     classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)
     cold_start_s: float | None = None  # measured pod creation -> ready for this fleet; None: not measured yet
-    recent_classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)  # as classes, the last 15 s
+    recent_classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)  # as classes, its last quarter
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,9 @@ AUTOSCALING_FIELDS = (
                reads_float=True),
     FleetField("scaleToZeroAfterSeconds", "scale_to_zero_idle_s", "integer", 300, 0, 86400, reads_float=True),
     FleetField("stableWindowSeconds", "stable_window_s", "integer", 60, 6, 3600,
-               "the load a burst is measured against is its average over this window, and after a burst no "
-               "scale-down for this long (Knative's stable window)", reads_float=True),
+               "the load a burst is measured against is its average over this window, the SLO planner reads "
+               "each class's demand over it, and after a burst no scale-down for this long (Knative's stable "
+               "window)", reads_float=True),
     FleetField("coldStartSeconds", "cold_start_s", "integer", 30, 0, 3600,
                "pod creation to ready, assumed until the operator has measured the fleet's own", reads_float=True),
 )

@@ -30,7 +30,7 @@ from kvfleet.operator.manifests import (
     selector_string,
 )
 from kvfleet.operator.observe import observe_fleet
-from kvfleet.operator.planner import DEMAND_WINDOW_S, RECENT_WINDOW_S
+from kvfleet.operator.planner import demand_windows
 from kvfleet.operator.settings import OperatorConfig
 from kvfleet.operator.slo_status import slo_attainment_status
 
@@ -161,8 +161,9 @@ class FleetHandlers:
         if not fleet.autoscaling_enabled:
             return
         state = self.autoscaler_state(f"{namespace}/{name}", status)
-        classes = await read_class_windows(self.config.redis_url, name, DEMAND_WINDOW_S, now)
-        recent = await read_class_windows(self.config.redis_url, name, RECENT_WINDOW_S, now)
+        window_s, recent_s = demand_windows(fleet.autoscaling.stable_window_s)
+        classes = await read_class_windows(self.config.redis_url, name, window_s, now)
+        recent = await read_class_windows(self.config.redis_url, name, recent_s, now)
         observation = Observation(now, fleet.replicas, tuple(pods), queued, classes=classes, cold_start_s=cold_start_s,
                                   recent_classes=recent)
         decision = recommend(observation, fleet.autoscaling, state)

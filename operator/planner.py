@@ -5,8 +5,9 @@ measured of themselves. Pure; autoscaler.recommend() calls it and keeps its memo
 - Capacity, learned online: a request of p prompt and o output tokens keeps a pod busy p / P + o / D seconds at a
   full batch, P and D the prefill tokens/s and full-batch decode tokens/s the engines report (a moving average, so
   one odd scrape moves it little, and kept across restarts).
-- Demand per class: arrivals/s × that work over the last minute, sampled every decision (and over the last 15 s
-  where that is higher, for the classes with a target: as Knative's panic window, a burst's onset counts at once);
+- Demand per class: arrivals/s × that work over the fleet's stable window (stableWindowSeconds, a minute by
+  default, as Knative's), sampled every decision (and over its last quarter where that is higher, for the classes
+  with a target: as Knative's panic window, a burst's onset counts at once);
   the work waiting in the gateway queue and the engines' queues is added as what must drain within the horizon.
 - Horizon: a pod ordered now serves after the measured cold start, so the plan covers cold start + one period:
   the level now plus the recent rising trend over that horizon.
@@ -27,9 +28,9 @@ from statistics import NormalDist
 
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.slo import ClassWindow, SloClass
+from kvfleet.fleet.slo_stats import SLOT_S
 
-DEMAND_WINDOW_S = 60.0  # the per-class counts a plan reads (Observation.classes)
-RECENT_WINDOW_S = 15.0  # and their short window (Observation.recent_classes)
+RECENT_FRACTION = 0.25  # the short window (Observation.recent_classes) as a part of the demand window
 CAPACITY_SMOOTHING = 0.2  # weight of a new capacity reading in the moving average
 MEMORY_S = 1200.0  # how much demand history sizes the standing margin (bursts recur on this scale)
 TREND_S = 300.0  # the span the rising trend is fitted over
@@ -142,6 +143,12 @@ def _trend(samples: list[tuple[float, float]]) -> float:
     mw = sum(w for _, w in samples) / n
     var = sum((t - mt) ** 2 for t, _ in samples)
     return 0.0 if var == 0 else sum((t - mt) * (w - mw) for t, w in samples) / var
+
+
+def demand_windows(stable_window_s: float) -> tuple[float, float]:
+    """The seconds of per-class counts a plan reads (Observation.classes: the fleet's stable window) and of their
+    short window (Observation.recent_classes), never shorter than one of the counts' slots."""
+    return stable_window_s, max(float(SLOT_S), stable_window_s * RECENT_FRACTION)
 
 
 def plan(now: float, classes: Mapping[Priority, ClassWindow], capacity: Capacity, waiting_requests: int,

@@ -19,7 +19,16 @@ from kubernetes import client
 from kvfleet.fleet import redis_keys
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.slo import DEFAULT_SLO_CLASSES, SloClass
-from kvfleet.fleet.slo_stats import ARRIVALS, COMPLETED, SHED, field, slot_start, ttft_bucket
+from kvfleet.fleet.slo_stats import (
+    ARRIVALS,
+    COMPLETED,
+    OUTPUT_TOKENS,
+    PROMPT_TOKENS,
+    SHED,
+    field,
+    slot_start,
+    ttft_bucket,
+)
 from kvfleet.kube_emulator import KubeEmulator
 from kvfleet.operator.crd import build_crd
 from kvfleet.operator.fleet_spec import InvalidSpec, parse_fleet
@@ -178,3 +187,24 @@ def test_an_unknown_class_in_a_fleet_gets_a_condition_naming_it(operator) -> Non
         return conditions["Degraded"]["reason"] == "InvalidSpec" and conditions["Degraded"]["message"]
     message = eventually(degraded)
     assert "spec.autoscaling.sloClasses.premium" in message and "critical, standard, sheddable" in message
+
+
+def test_the_planner_reads_each_classes_demand_over_the_fleets_stable_window(operator) -> None:
+    """A burst the gateways counted 40 s ago is demand for a fleet that averages over the default minute and is over
+    for one whose stableWindowSeconds is 10, as Knative's stable window (the planner's demand: status.autoscaler)."""
+    api_client, redis_server = operator
+    counts = {field(Priority.STANDARD, ARRIVALS): 600, field(Priority.STANDARD, COMPLETED): 600,
+              field(Priority.STANDARD, PROMPT_TOKENS): 600 * 200, field(Priority.STANDARD, OUTPUT_TOKENS): 600 * 50}
+    for name, stable_s in (("minute", 60), ("short", 10)):
+        redis.Redis.from_url(redis_server.url).hset(
+            redis_keys.slo_slot_key(name, slot_start(time.time() - 40)), mapping=counts)
+        create_fleet(api_client, name, {"model": "smollm2-135m-instruct", "replicas": 1, "autoscaling": {
+            "enabled": True, "maxReplicas": 8, "stableWindowSeconds": stable_s,
+            "capacity": {"prefillTokensPerSecond": 480, "decodeTokensPerSecond": 116.5}}})
+
+    def work(name: str) -> float | None:
+        plan = ((status(api_client, name).get("autoscaler") or {}).get("lastDecision") or {}).get("inputs", {}).get(
+            "plan")
+        return None if plan is None else plan["workPods"]["standard"]
+    assert eventually(lambda: work("minute"), timeout=20) > 1  # 10 requests/s of 200 + 50 tokens: pods of work
+    assert eventually(lambda: work("short") is not None, timeout=20) and work("short") == 0

@@ -20,8 +20,11 @@ from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.slo import ClassWindow
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.operator.autoscaler import PodLoad
-from kvfleet.operator.planner import DEMAND_WINDOW_S, RECENT_WINDOW_S
+from kvfleet.operator.fleet_fields import autoscaling_default
+from kvfleet.operator.planner import demand_windows
 
+# The replay's kvfleet policy keeps the default stable window (replay.py), so its demand windows are the default's.
+DEMAND_WINDOW_S, RECENT_WINDOW_S = demand_windows(autoscaling_default("stable_window_s"))
 AGING_S = GatewayConfig.aging_ms / 1000  # the gateway's default: a class waits at most this long behind the one above
 
 
@@ -91,10 +94,10 @@ class Fleet:
         recent = self.arrivals_per_second[-60:]
         return FleetView(now, self.replicas, tuple(p.metrics(now) for p in self.ready_pods(now)), len(self.queue),
                          sum(recent) / max(1, len(recent)), tuple(self.concurrency[-60:]), self.class_windows(),
-                         float(self.engine.cold_start_s), self.class_windows(int(RECENT_WINDOW_S)))
+                         float(self.engine.cold_start_s), self.class_windows(RECENT_WINDOW_S))
 
-    def class_windows(self, window_s: int = int(DEMAND_WINDOW_S)) -> dict[Priority, ClassWindow]:
-        recent = self.class_seconds[-window_s:]
+    def class_windows(self, window_s: float = DEMAND_WINDOW_S) -> dict[Priority, ClassWindow]:
+        recent = self.class_seconds[-int(window_s):]
         sums = {p: [sum(s[p][k] for s in recent) for k in range(4)] for p in Priority}
         return {p: ClassWindow(float(max(1, len(recent))), a, pt, a, ot, shed, queued=self.queued_by_class[p])
                 for p, (a, pt, ot, shed) in sums.items()}
