@@ -7,6 +7,10 @@ cache crosses memory three times (read, write, read), which was ~30 % of a decod
 the group's query heads while the block is in L1, and folds the values in with an online softmax, as the Triton
 decode kernel does on GPUs (kernels/decode_attention.py). float32 and bfloat16 caches (numpy has no bfloat16: its
 raw bits are read as uint16 and widened block by block); the engine keeps the torch path for other dtypes.
+
+A block's softmax weights come from a branch-free exp (_exp_shifted) in a loop of their own, which LLVM vectorizes;
+numpy's exp per score stayed a scalar call. Measured in one process, alternating (SmolLM2's shapes, 64 sequences of
+200-272 tokens, bfloat16, 30 layers, 2026-11-29): 48.3 -> 42.5 ms, median of 20 rounds.
 """
 
 from __future__ import annotations
@@ -19,10 +23,41 @@ import torch
 
 from kvfleet.kernels.numba_build import compile_kernel
 
+# Cephes' expf: exp(x) = 2^n * e^r, n = round(x / ln 2), r = x - n * ln 2 in two parts (exact to float32), e^r by a
+# degree-7 polynomial; within 1e-6 of the true value on the range softmax uses (x <= 0: a few float32 ulps, since
+# fastmath may reassociate the two-part reduction).
+LOG2E = np.float32(1.4426950408889634)
+LN2_HI = np.float32(0.693359375)
+LN2_LO = np.float32(-2.12194440e-4)
+EXP_FLOOR = np.float32(-87.0)  # exp(-87) is still a normal float32; below it a weight is 0 to float32 anyway
 
-def _attend_block(queries, keys, values, count, scores, running_max, denom, acc):  # pragma: no cover - numba
+
+def _exp_shifted(scores, count, top, exponents):  # pragma: no cover - compiled by numba
+    """scores[:count] = exp(scores[:count] - top) (top >= every score), without branches or calls so that the loop
+    vectorizes; exponents [count] int32 is scratch for the powers of two. Returns their sum."""
+    for i in range(count):
+        x = max(scores[i] - top, EXP_FLOOR)
+        n = np.floor(x * LOG2E + np.float32(0.5))
+        r = x - n * LN2_HI - n * LN2_LO
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        scores[i] = p * r * r + r + np.float32(1.0)
+        exponents[i] = (np.int32(n) + np.int32(127)) << np.int32(23)  # 2^n's float32 bits
+    powers = exponents.view(np.float32)
+    total = np.float32(0.0)
+    for i in range(count):
+        scores[i] *= powers[i]
+        total += scores[i]
+    return total
+
+
+def _attend_block(queries, keys, values, count, scores, exponents, running_max, denom, acc):  # pragma: no cover
     """Fold one block's first `count` keys and values (float32 [block_size, D]) into every query head's online
-    softmax state: running_max, denom [G], acc [G, D]."""
+    softmax state: running_max, denom [G], acc [G, D]. scores and exponents [block_size] are scratch."""
     group, head_dim = queries.shape
     for g in range(group):
         top = running_max[g]
@@ -34,16 +69,14 @@ def _attend_block(queries, keys, values, count, scores, running_max, denom, acc)
             if dot > top:
                 top = dot
         rescale = np.exp(running_max[g] - top)
-        total = denom[g] * rescale
         for x in range(head_dim):
             acc[g, x] *= rescale
         running_max[g] = top
+        denom[g] = denom[g] * rescale + _exp_shifted(scores, count, top, exponents)
         for t in range(count):
-            weight = np.exp(scores[t] - top)
-            total += weight
+            weight = scores[t]
             for x in range(head_dim):
                 acc[g, x] += weight * values[t, x]
-        denom[g] = total
 
 
 def _widen_bf16(bits, count, out):  # pragma: no cover - compiled by numba
@@ -68,6 +101,7 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out):  # 
         running_max = np.full(group, -np.inf, np.float32)
         denom = np.zeros(group, np.float32)
         scores = np.empty(block_size, np.float32)
+        exponents = np.empty(block_size, np.int32)
         queries = np.empty((group, head_dim), np.float32)
         wide_keys = np.empty((block_size, head_dim), np.float32)
         wide_values = np.empty((block_size, head_dim), np.float32)
@@ -80,16 +114,18 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, out):  # 
             if widen:
                 _widen_bf16(k_cache[h, block], count, wide_keys)
                 _widen_bf16(v_cache[h, block], count, wide_values)
-                _attend_block(queries, wide_keys, wide_values, count, scores, running_max, denom, acc)
+                _attend_block(queries, wide_keys, wide_values, count, scores, exponents, running_max, denom, acc)
             else:
-                _attend_block(queries, k_cache[h, block], v_cache[h, block], count, scores, running_max, denom, acc)
+                _attend_block(queries, k_cache[h, block], v_cache[h, block], count, scores, exponents, running_max,
+                              denom, acc)
         for g in range(group):
             inverse = np.float32(1.0) / denom[g] if denom[g] > 0 else np.float32(0.0)
             for x in range(head_dim):
                 out[b, h, g, x] = acc[g, x] * inverse
 
 
-# compiled in order: the kernel calls the two helpers by their global names
+# compiled in order: the kernel calls the helpers by their global names
+_exp_shifted = compile_kernel(_exp_shifted, inline="always")
 _attend_block = compile_kernel(_attend_block, inline="always")
 _widen_bf16 = compile_kernel(_widen_bf16, inline="always")
 _kernel = compile_kernel(_decode_kernel, parallel=True)

@@ -3,8 +3,12 @@ and never reads padding."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -136,3 +140,38 @@ def test_without_a_writable_cache_the_kernel_compiles_at_start(monkeypatch: pyte
            tables.numpy(), seq_lens.numpy(), 0.125, out.view(1, 1, 1, 64).numpy())
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
     assert (out - expected).abs().max().item() <= 1e-4
+
+
+def test_the_softmax_exp_is_within_a_millionth_of_the_true_exp_over_the_range_softmax_uses() -> None:
+    from kvfleet.kernels.cpu_decode_attention import _exp_shifted
+
+    top = np.float32(3.5)
+    shifts = np.concatenate([-np.geomspace(1e-7, 120, 4093).astype(np.float32), [0, -1e-30, -86.9]]).astype(np.float32)
+    scores = (top + shifts).astype(np.float32)
+    expected = np.exp((scores - top).astype(np.float64))  # of the same float32 difference the kernel takes
+    got = scores.copy()
+    total = _exp_shifted(got, len(got), top, np.empty(len(got), np.int32))
+    normal = expected > 1e-37  # below, the kernel floors at exp(-87) ~1.6e-38: as good as 0 beside the top weight 1
+    # a few float32 ulps (fastmath may reassociate the two-part reduction); softmax weights need far less
+    assert np.all(np.abs(got[normal] - expected[normal]) <= 1e-6 * expected[normal])
+    assert np.all(got[~normal] < 1.1e-37) and np.all(got >= 0)
+    assert total == pytest.approx(expected.sum(), rel=1e-5)
+
+
+def test_on_an_avx512_cpu_the_kernels_compile_with_512_bit_vectors_unless_numbas_own_setting_says_otherwise() -> None:
+    from kvfleet.kernels.numba_build import WIDE_VECTORS, wide_vector_features
+
+    assert wide_vector_features("+sse4.2,+avx512f,-amx-fp16") == f"+sse4.2,+avx512f,-amx-fp16,{WIDE_VECTORS}"
+    assert wide_vector_features("+sse4.2,+avx2,-avx512f") is None  # nothing wider to prefer
+    assert wide_vector_features(f"+avx512f,{WIDE_VECTORS}") is None
+    check = ("import kvfleet.kernels.numba_build; from numba.core import config; "
+             "print(config.CPU_FEATURES or '')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU_")}
+    features = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    from llvmlite import binding
+
+    assert features.endswith(WIDE_VECTORS) == ("+avx512f" in binding.get_host_cpu_features().flatten().split(","))
+    mine = "+sse4.2,+avx2"
+    assert subprocess.run([sys.executable, "-c", check], env={**env, "NUMBA_CPU_FEATURES": mine},
+                          capture_output=True, text=True, check=True).stdout.strip() == mine
