@@ -4,8 +4,8 @@ CPUs with AVX-512, with 512-bit vectors.
 LLVM's tuning for Intel server CPUs (Skylake-SP to Emerald Rapids) prefers 256-bit vectors even where AVX-512 is there
 (the `prefer-256-bit` tuning flag: Skylake lowered its clock for 512-bit instructions), so numba's loops ran on ymm
 registers at half the width vLLM's hand-written AVX-512 kernels use. Measured on this project's 2-core Emerald Rapids
-VM (2026-11-29), the paged decode attention took 15-25 % less time with the flag off. Where the user sets numba's
-own NUMBA_CPU_NAME or NUMBA_CPU_FEATURES, theirs stand."""
+VM (2026-11-29), the paged decode attention took 12-24 % less time with the flag off (docs/benchmarks.md). Where the
+user sets numba's own NUMBA_CPU_NAME or NUMBA_CPU_FEATURES, theirs stand."""
 
 from __future__ import annotations
 
