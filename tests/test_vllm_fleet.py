@@ -216,11 +216,16 @@ def test_a_saturated_kvfleet_model_falls_back_to_a_vllm_model_and_comes_back(vll
         assert fell_back.json()["model"] == SERVED and fell_back.headers[headers.DEGRADED] == f"fallback={SERVED}"
         assert fell_back.headers[headers.ENGINE] in vllm.engines
         assert fell_back.json()["usage"]["completion_tokens"] == 4
-        wait_until(lambda: httpx.get(f"{url}/ready", timeout=10).json()["models"]["tiny"]["available"] == 1, 30,
-                   "the gateway never saw the kvfleet engine with room again")
-        back = httpx.post(f"{url}/v1/completions", json=body, headers=allow, timeout=120)
-        assert back.json()["model"] == "tiny" and headers.DEGRADED not in back.headers
-        assert back.headers[headers.ENGINE] == tiny
+        answers = []
+
+        def served_by_its_own_engine() -> bool:
+            # a scrape that runs late on this busy machine reads as saturated for a moment (stale metrics), and the
+            # request rightly falls back again: what must hold is that the model comes back once its engine has room
+            answers.append(httpx.post(f"{url}/v1/completions", json=body, headers=allow, timeout=120))
+            return answers[-1].json()["model"] == "tiny"
+        wait_until(served_by_its_own_engine, 30, "requests never came back to the kvfleet engine once it had room")
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        assert headers.DEGRADED not in answers[-1].headers and answers[-1].headers[headers.ENGINE] == tiny
     finally:
         if gateway is not None:
             stop_process(gateway)
