@@ -30,6 +30,10 @@ class Target:
     model: str
     on_kind: bool
     logs: str | None = None  # where the local cluster's logs are
+    # how long a scenario's client lets its request wait in the fleet queue (x-kvfleet-max-queue-ms); None: the
+    # gateway's default (30 s). A runtime whose new pod takes a minute or more to start (vLLM) needs longer for a
+    # burst that waits on a scale-up.
+    max_queue_ms: int | None = None
     _client: object = field(default=None, init=False, repr=False)
 
     def api_client(self):

@@ -76,8 +76,9 @@ def eventually(check, timeout: float, what: str, target=None):
 
 def chat(target, content: str, max_tokens: int, priority: str = "standard") -> httpx.Response:
     """One request as raw HTTP, so the status and headers of a shed answer can be read."""
+    wait = {} if target.max_queue_ms is None else {"x-kvfleet-max-queue-ms": str(target.max_queue_ms)}
     return httpx.post(f"{target.gateway_url}/v1/chat/completions", timeout=300,
-                      headers={"x-kvfleet-priority": priority},
+                      headers={"x-kvfleet-priority": priority, **wait},
                       json={"model": target.model, "max_tokens": max_tokens, "temperature": 0,
                             "messages": [{"role": "user", "content": content}]})
 
@@ -103,11 +104,15 @@ def test_load_raises_kv_usage_and_the_operator_scales_up(target) -> None:
     assert start == 1, f"the scenario starts from one replica, not {start}"
     stop = time.monotonic() + LOAD_TIMEOUT_S
     statuses: list[int] = []
+    refusals: list[str] = []
     fleet_replicas = [start]
 
     def keep_busy(k: int) -> None:
         while time.monotonic() < stop and fleet_replicas[0] < 2:
-            statuses.append(chat(target, f"Write a long story about ship number {k}.", 48).status_code)
+            answer = chat(target, f"Write a long story about ship number {k}.", 48)
+            statuses.append(answer.status_code)
+            if answer.status_code != 200:
+                refusals.append(answer.text[:300])
 
     with ThreadPoolExecutor(24) as pool:
         futures = [pool.submit(keep_busy, k) for k in range(24)]
@@ -118,7 +123,7 @@ def test_load_raises_kv_usage_and_the_operator_scales_up(target) -> None:
     history = f["status"].get("scalingHistory") or []
     assert history and history[-1]["to"] == 2 and history[-1]["from"] == 1
     assert history[-1]["reason"].split(":")[0] in ("up", "burst"), history[-1]
-    assert statuses and all(s == 200 for s in statuses), sorted(set(statuses))
+    assert statuses and all(s == 200 for s in statuses), (sorted(set(statuses)), refusals[:3])
     eventually(lambda: len(engine_pods(target)) == 2, LOAD_TIMEOUT_S, "two ready engine pods", target)
 
 
@@ -134,7 +139,7 @@ def test_deleting_an_engine_pod_under_load_loses_no_request(target, replacement_
         more = [pool.submit(chat, target, f"Say hello to {k}.", 8) for k in range(6)]  # during the deletion
         answers = [f.result() for f in futures + more]
     assert [a.status_code for a in answers] == [200] * len(answers), [a.text[:200] for a in answers]
-    assert all(a.json()["choices"][0]["message"]["content"] for a in answers)
+    assert all(a.json()["choices"][0]["message"]["content"] for a in answers), [a.text[:300] for a in answers]
     if not replacement_ready:
         eventually(lambda: len(fleet_pods(target)) == 2 and pods[0].metadata.name not in
                    {p.metadata.name for p in fleet_pods(target)}, LOAD_TIMEOUT_S, "a replacement pod", target)
