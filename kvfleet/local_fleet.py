@@ -25,7 +25,7 @@ from kvfleet.fleet.vllm_serve import HEALTH_PATH, serve_args
 from kvfleet.gateway.models.routes import check_model_name
 from kvfleet.redis_server import RedisServer
 from kvfleet.supervisor import Child, Supervisor, kvfleet_command, previous_log
-from kvfleet.vllm_local import core_groups, ensure_vllm
+from kvfleet.vllm_local import core_groups, ensure_vllm, local_dtype_args
 from kvfleet.vllm_local import engine_env as vllm_engine_env
 
 # The engines' shared token (issue 13): `kvfleet engine --api-key` and `kvfleet gateway --engine-api-key` read it.
@@ -142,6 +142,10 @@ class LocalFleet:
         token_file.touch(mode=0o600)
         token_file.write_text(f"Authorization: Bearer {self.engine_api_key}\n")
         vllm = ensure_vllm(s.vllm, log=say) if s.runtime == "vllm" else None
+        dtype_args = [] if vllm is None else local_dtype_args(vllm, s.engine_args)
+        if dtype_args:
+            say(f"kvfleet up: vLLM runs in {dtype_args[-1]}: this CPU has no bfloat16 instructions (AVX-512 BF16, "
+                "AMX), where vLLM would emulate its bfloat16 ~3x slower (--engine-arg=--dtype=... to choose)")
         self.redis = RedisServer().start()
         env = engine_env(dict(os.environ), self.engine_api_key)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_engine(s.engines * len(s.models))))
@@ -162,7 +166,7 @@ class LocalFleet:
                 else:
                     argv = [str(vllm.executable), "serve", *serve_args(
                         str(model_dir), model, port, host="127.0.0.1", events_port=0, max_model_len=s.max_model_len,
-                        max_num_seqs=s.max_num_seqs, extra=s.engine_args)]
+                        max_num_seqs=s.max_num_seqs, extra=[*s.engine_args, *dtype_args])]
                     engine = self._spawn(name, argv, url, vllm_engine_env(
                         vllm, env, cores=cores[len(served)], kv_cache_memory=s.kv_cache_memory,
                         api_key=self.engine_api_key))

@@ -27,12 +27,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvfleet.fleet.cpu_features import has_bf16_instructions, host_cpu_flags
 from kvfleet.fleet.vllm_serve import (
     VLLM_API_KEY_ENV,
     VLLM_CPU_BIND_ENV,
     VLLM_HOST_IP_ENV,
     VLLM_KV_CACHE_SPACE_ENV,
     VLLM_VERSION,
+    cpu_dtype_args,
     kv_cache_space_gib,
     with_kv_events_port,
 )
@@ -201,6 +203,16 @@ def engine_env(install: VllmInstall, base: dict[str, str], *, cores: list[int] |
         if kv_cache_memory is not None:
             env[VLLM_KV_CACHE_SPACE_ENV] = kv_cache_space_gib(kv_cache_memory)
     return env
+
+
+def local_dtype_args(install: VllmInstall, extra: tuple[str, ...] | list[str],
+                     flags: frozenset[str] | None = None) -> list[str]:
+    """The dtype a local vLLM runs fastest in on this machine's CPU (kvfleet/fleet/vllm_serve.py: float32 where the
+    CPU would emulate bfloat16), unless the user's `extra` flags name one; nothing for a GPU install."""
+    if not install.cpu:
+        return []
+    flags = host_cpu_flags() if flags is None else flags
+    return cpu_dtype_args(extra, None if flags is None else has_bf16_instructions(flags))
 
 
 def local_serve_argv(argv: list[str], executable: Path, resolve_model) -> list[str]:
