@@ -47,10 +47,15 @@ def tiny_engine(tiny_model_dir: Path):
 def _launch(args: list[str], port: int, what: str):
     """A kvfleet process on loopback, its output in a temporary file (`process_output` reads it); it answers
     Popen's poll/wait/send_signal/terminate/kill."""
-    from kvfleet.supervisor import kvfleet_command, spawn
+    from kvfleet.supervisor import Child, kvfleet_command, spawn
+    from tests.forkserver import SERVER
 
+    url = f"http://127.0.0.1:{port}"
+    if SERVER.usable():  # forked from the suite's zygote: the same command, without 3 s of imports (forkserver.py)
+        proc, log = SERVER.start(what, args)
+        return Child(what, proc, url, log, what, tail_lines=200)
     # In pytest's session, so that an interrupted run takes it down too; a long tail, as tests read it on failure.
-    return spawn(what, kvfleet_command(*args), url=f"http://127.0.0.1:{port}", new_session=False, tail_lines=200)
+    return spawn(what, kvfleet_command(*args), url=url, new_session=False, tail_lines=200)
 
 
 def _wait_ready(proc, timeout: float, ready: str = "/ready") -> None:
