@@ -36,6 +36,7 @@ from pathlib import Path
 import psutil
 
 from bench.fleet_procs import get, model_dir
+from kvfleet.fleet.cpu_features import CPUINFO, host_cpu_flags
 from kvfleet.fleet.engine_settings import EngineSettings
 from kvfleet.fleet.ports import free_port
 from kvfleet.supervisor import Child, kvfleet_command
@@ -214,15 +215,15 @@ def chart(report: dict, path: Path) -> None:
 
 
 def machine() -> dict:
-    flags = ""
+    flags = host_cpu_flags() or frozenset()
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
-    name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")), platform.processor())
-    return {"cpu": name, "cores": len(os.sched_getaffinity(0)), "amx_bf16": " amx_bf16" in flags,
-            "avx512_bf16": " avx512_bf16" in flags}
+        info = CPUINFO.read_text()
+    except OSError:
+        info = ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.processor())
+    return {"cpu": name, "cores": len(os.sched_getaffinity(0)), "amx_bf16": "amx_bf16" in flags,
+            "avx512_bf16": "avx512_bf16" in flags}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.packed_linear import can_pack
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.fleet.cpu_features import host_cpu_flags
 
 QUESTIONS = [
     "Hi",
@@ -113,11 +114,6 @@ def test_smollm2_matches_transformers(smollm2_dir: Path) -> None:
     check_parity(smollm2_dir, kv_blocks=24, max_new_tokens=16)
 
 
-def cpu_flags() -> set[str]:
-    cpuinfo = Path("/proc/cpuinfo")
-    return set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
-
-
 def bf16_answers(model_dir: Path, tmp_path: Path, env: dict[str, str]) -> tuple[dict, list[str]]:
     """The engine's first tokens in bfloat16 in a process of its own, and the oneDNN kernels that ran there."""
     out = tmp_path / "answers.json"
@@ -146,7 +142,7 @@ def test_smollm2_in_bfloat16_on_the_cpu_answers_as_transformers_within_bfloat16s
     and exact tokens hold on none of them: each of the engine's first tokens is transformers' float32 choice, or one
     within bfloat16's rounding of it, and every logprob it reports is within that rounding of float32's. The rounding
     is measured, not assumed: twice transformers' own bfloat16 distance from float32 on the same tokens."""
-    flags = cpu_flags()
+    flags = host_cpu_flags() or frozenset()
     if isa == "avx512_bf16" and not {"amx_bf16", "avx512_bf16"} <= flags:
         pytest.skip("the AVX-512 BF16 path below AMX is checked apart only on a CPU with both (else: this-cpu)")
     got, kernels = bf16_answers(smollm2_dir, tmp_path,
