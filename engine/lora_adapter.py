@@ -96,6 +96,8 @@ def read_adapter(name: str, directory: Path, config: ModelConfig, max_rank: int,
         raw = json.loads(config_path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise AdapterError(f"{CONFIG_FILE} of {name!r} is not JSON: {err}") from None
+    except RecursionError:  # a megabyte of nested brackets
+        raise AdapterError(f"{CONFIG_FILE} of {name!r} nests too deeply to be an adapter's config") from None
     rank, scaling, targets = parse_adapter_config(raw, max_rank)
     shapes = projection_shapes(config)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfleet.fleet.cpu_features import has_bf16_instructions, host_cpu_flags
+from kvfleet.fleet.cpu_features import flags_have_bf16, host_cpu_flags
 from kvfleet.fleet.vllm_serve import (
     VLLM_API_KEY_ENV,
     VLLM_CPU_BIND_ENV,
@@ -211,8 +211,7 @@ def local_dtype_args(install: VllmInstall, extra: tuple[str, ...] | list[str],
     CPU would emulate bfloat16), unless the user's `extra` flags name one; nothing for a GPU install."""
     if not install.cpu:
         return []
-    flags = host_cpu_flags() if flags is None else flags
-    return cpu_dtype_args(extra, None if flags is None else has_bf16_instructions(flags))
+    return cpu_dtype_args(extra, flags_have_bf16(host_cpu_flags() if flags is None else flags))
 
 
 def local_serve_argv(argv: list[str], executable: Path, resolve_model) -> list[str]:

@@ -90,7 +90,8 @@ def test_an_adapter_that_does_not_fit_is_refused_naming_what_to_change(tmp_path:
     assert says in str(refused.value)
 
 
-@pytest.mark.parametrize("damage", ["truncated header", "truncated data", "garbage", "json", "missing"])
+@pytest.mark.parametrize("damage", ["truncated header", "truncated data", "garbage", "json", "nested json",
+                                    "missing"])
 def test_a_corrupt_or_missing_file_is_refused(tmp_path: Path, damage: str) -> None:
     directory = write_adapter(tmp_path / "bad")
     weights, config = directory / "adapter_model.safetensors", directory / "adapter_config.json"
@@ -102,6 +103,8 @@ def test_a_corrupt_or_missing_file_is_refused(tmp_path: Path, damage: str) -> No
         weights.write_bytes(b"\xff" * 64)
     elif damage == "json":
         config.write_text("{not json")
+    elif damage == "nested json":
+        config.write_text("[" * 200_000 + "]" * 200_000)
     else:
         weights.unlink()
     with pytest.raises(AdapterError):

@@ -14,7 +14,7 @@ from kubernetes import client
 
 from e2e import conftest as e2e_target
 from e2e import test_scenarios as scenarios
-from kvfleet.fleet.cpu_features import has_bf16_instructions, host_cpu_flags
+from kvfleet.fleet.cpu_features import flags_have_bf16, host_cpu_flags
 from kvfleet.fleet.vllm_serve import cpu_dtype_args
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
 from tests.conftest import free_port
@@ -22,17 +22,13 @@ from tests.vllm_engines import ENGINE_ARGS, SERVED, require_vllm
 
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
 
-def host_bf16() -> bool | None:
-    flags = host_cpu_flags()
-    return None if flags is None else has_bf16_instructions(flags)
-
-
 FLEET = {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceFleet", "metadata": {"name": "chat"},
          "spec": {"model": SERVED, "runtime": "vllm", "replicas": 1,
                   # the dtype `kvfleet up --runtime vllm` picks for this CPU (float32 where vLLM would emulate
                   # bfloat16): the operator cannot know a node's CPU, a fleet's extraArgs say it
                   "engine": {"maxModelLen": 2048, "maxNumSeqs": 4, "kvCacheMemory": "1Gi",
-                             "extraArgs": [*ENGINE_ARGS, *cpu_dtype_args(ENGINE_ARGS, host_bf16())]},
+                             "extraArgs": [*ENGINE_ARGS,
+                                           *cpu_dtype_args(ENGINE_ARGS, flags_have_bf16(host_cpu_flags()))]},
                   # on, but held at one replica until the scaling scenario lets it grow
                   "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 1}}}
 

@@ -15,6 +15,11 @@ def has_bf16_instructions(flags: Iterable[str]) -> bool:
     return not BF16_FLAGS.isdisjoint(flags)
 
 
+def flags_have_bf16(flags: frozenset[str] | None) -> bool | None:
+    """Whether these CPU flags (host_cpu_flags' answer) have bfloat16 instructions; None where nobody could say."""
+    return None if flags is None else has_bf16_instructions(flags)
+
+
 def cpu_flags(text: str) -> frozenset[str]:
     """The first CPU's feature flags in /proc/cpuinfo's text (x86 `flags`, aarch64 `Features`)."""
     for line in text.splitlines():
