@@ -27,6 +27,8 @@ from kvfleet.engine.kv_event_hub import KVEventHub
 from kvfleet.engine.kv_events_api import install_kv_event_routes
 from kvfleet.engine.kv_events_zmq import VllmKVEvents
 from kvfleet.engine.llm_engine import RequestError
+from kvfleet.engine.lora_api import adapter_cards, install_lora_routes, requested_adapter
+from kvfleet.engine.lora_registry import LoraSpec
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.openai_responses import Reply, chat_body, chat_events, completion_body, completion_events, sse
 from kvfleet.engine.outputs import RequestOutput
@@ -38,7 +40,7 @@ from kvfleet.engine.protocol import (
     check_against_model,
     sampling_params,
 )
-from kvfleet.engine.request_checks import StrictJSONRoute, check_model_name, check_prompt_chars
+from kvfleet.engine.request_checks import StrictJSONRoute, check_prompt_chars
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import QueueFullError
 from kvfleet.engine.sglang_compat_api import install_sglang_compat_routes
@@ -140,21 +142,24 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
 
     @app.get("/v1/models")
     async def models() -> dict:
+        registry = state.engine.lora_registry if state.engine is not None else None
         return {"object": "list", "data": [
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvfleet"},
+            *adapter_cards(state.model_name, registry, state.created),
         ]}
 
     if state.kv_events_sse:
         install_kv_event_routes(app, state)
     install_vllm_compat_routes(app, state)
     install_sglang_compat_routes(app, state)
+    install_lora_routes(app, state)
     app.router.add_event_handler("startup", state.vllm_kv_events.start)
     app.router.add_event_handler("shutdown", state.vllm_kv_events.stop)
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         engine = state.require_engine()
-        _check_model(state, body)
+        lora = _check_model(state, engine, body)
         prompts = _prompt_list(body.prompt)
         _check_request(engine, body, len(prompts))
         for i, prompt in enumerate(prompts):
@@ -168,8 +173,8 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
             raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which this engine does not "
                            "compute; send one of them", param="echo")
         echo = await asyncio.to_thread(_echo_texts, engine, prompts, body.skip_special_tokens) if body.echo else []
-        streams = await _start_choices(state, engine, prompts, params, body.n, request_id, body.priority)
-        reply = Reply(request_id, state.model_name, engine.tokenizer, body.n, echo=echo)
+        streams = await _start_choices(state, engine, prompts, params, body.n, request_id, body.priority, lora)
+        reply = Reply(request_id, _answering(state, lora), engine.tokenizer, body.n, echo=echo)
         if body.stream:
             return sse(completion_events(reply, streams, _include_usage(body)))
         return await _unless_disconnected(request, completion_body(reply, streams))
@@ -177,7 +182,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         engine = state.require_engine()
-        _check_model(state, body)
+        lora = _check_model(state, engine, body)
         _check_request(engine, body, 1)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -192,10 +197,10 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
             max_tokens = max(1, engine.max_model_len - len(prompt))
         params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await _start_choices(state, engine, [prompt], params, body.n, request_id, body.priority)
+        streams = await _start_choices(state, engine, [prompt], params, body.n, request_id, body.priority, lora)
         last = messages[-1]
         echo = [last["content"]] if body.echo and last["role"] == "assistant" else []
-        reply = Reply(request_id, state.model_name, engine.tokenizer, body.n, echo=echo)
+        reply = Reply(request_id, _answering(state, lora), engine.tokenizer, body.n, echo=echo)
         if body.stream:
             return sse(chat_events(reply, streams, _include_usage(body)))
         return await _unless_disconnected(request, chat_body(reply, streams))
@@ -228,7 +233,13 @@ _LOGGED_UNKNOWN: set[str] = set()
 _MAX_LOGGED_UNKNOWN = 256  # beyond this many distinct sets (a client making names up), only the metric counts
 
 
-def _check_model(state: ServerState, body: SamplingRequest) -> None:
+def _answering(state: ServerState, lora: LoraSpec | None) -> str:
+    """The `model` an answer names: the adapter's name for an adapter's request, as vLLM answers."""
+    return state.model_name if lora is None else lora.name
+
+
+def _check_model(state: ServerState, engine: AsyncEngine, body: SamplingRequest) -> LoraSpec | None:
+    """The adapter the body's model names (None: the base model); logs unknown fields once per set."""
     ignored = body.unknown_fields()
     if ignored:  # newer clients send fields we do not know yet: serve them, and say so (escaped, bounded)
         state.metrics.ignored_fields.inc(len(ignored))
@@ -236,7 +247,7 @@ def _check_model(state: ServerState, body: SamplingRequest) -> None:
         if described not in _LOGGED_UNKNOWN and len(_LOGGED_UNKNOWN) < _MAX_LOGGED_UNKNOWN:
             _LOGGED_UNKNOWN.add(described)
             log.warning("ignored unknown request fields (logged once per set of names): %s", described)
-    check_model_name(state.model_name, body.model)
+    return requested_adapter(state.model_name, engine.lora_registry, body.model)
 
 
 def _check_request(engine: AsyncEngine, body: SamplingRequest, num_prompts: int) -> None:
@@ -272,7 +283,7 @@ def _params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> Sam
 
 
 async def _start_choices(state: ServerState, engine: AsyncEngine, prompts: list[str | list[int]],
-                         params: SamplingParams, n: int, request_id: str, priority: int
+                         params: SamplingParams, n: int, request_id: str, priority: int, lora: LoraSpec | None
                          ) -> list[AsyncIterator[RequestOutput]]:
     """One engine request per choice (n per prompt); if one is refused, the ones already started are aborted."""
     streams: list[AsyncIterator[RequestOutput]] = []
@@ -285,7 +296,7 @@ async def _start_choices(state: ServerState, engine: AsyncEngine, prompts: list[
                     choice_params = dataclasses.replace(params, seed=(params.seed + copy) % 2**64)
                 index = p_index * n + copy
                 choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
-                streams.append(await _start(state, engine, prompt, choice_params, choice_id, priority))
+                streams.append(await _start(state, engine, prompt, choice_params, choice_id, priority, lora))
     except APIError:
         for stream in streams:
             await stream.aclose()
@@ -294,9 +305,9 @@ async def _start_choices(state: ServerState, engine: AsyncEngine, prompts: list[
 
 
 async def _start(state: ServerState, engine: AsyncEngine, prompt: str | list[int], params: SamplingParams,
-                 request_id: str, priority: int) -> AsyncIterator[RequestOutput]:
+                 request_id: str, priority: int, lora: LoraSpec | None) -> AsyncIterator[RequestOutput]:
     """Submit and wait for the first output, so that refusals become HTTP errors before any byte is sent."""
-    stream = engine.generate(prompt, params, request_id, priority)
+    stream = engine.generate(prompt, params, request_id, priority, lora)
     try:
         first = await stream.__anext__()
     except RequestError as err:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvfleet.engine.kv_event_hub import KVEventHub
 from kvfleet.engine.llm_engine import EngineStats, LLMEngine
+from kvfleet.engine.lora_registry import LoraRegistry, LoraSpec
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.request_log import log_finished
@@ -76,6 +77,11 @@ class AsyncEngine:
     def model_dir(self) -> Path:
         return self.engine.model_dir
 
+    @property
+    def lora_registry(self) -> LoraRegistry | None:
+        """The adapters served (thread-safe: the API server's threads register, the engine thread reads)."""
+        return self.engine.lora_registry
+
     def stats(self) -> EngineStats:
         """The engine's counts now (blocks, running and waiting requests, prefix hits)."""
         return self.engine.stats()
@@ -86,7 +92,7 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora: LoraSpec | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early (a client gone) aborts it and frees its blocks.
 
         Raises RequestError for an invalid request and QueueFullError when the waiting queue is full.
@@ -94,7 +100,7 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine has stopped")
         # Tokenizing a long prompt takes milliseconds: do it off the event loop.
-        seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, request_id, priority)
+        seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, request_id, priority, lora)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[seq.request_id] = stream
         self._send("add", seq)

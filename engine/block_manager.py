@@ -5,6 +5,8 @@ token before it, so two requests with the same prefix share those blocks. A bloc
 owner finished goes back to the free queue but keeps its hash, so it can still be hit until
 it is handed out again; the free queue hands out least recently freed blocks first. Block hashes are
 SHA-256 digests chained over token ids, as vLLM's are, so a hit is the same tokens, never a hash() collision.
+A request of a LoRA adapter starts its chain from a root of its own (the adapter's registration): its blocks hold
+that adapter's KV, and only requests of the same adapter hit them.
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ class BlockManager:
             self.events.append(BlockStored(
                 tuple(block_name(h) for h in hashes[first:last + 1]),
                 block_name(hashes[first - 1]) if first else None,
-                tuple(seq.token_ids_slice(first * size, (last + 1) * size)), size))
+                tuple(seq.token_ids_slice(first * size, (last + 1) * size)), size,
+                None if seq.lora is None else seq.lora.name, None if seq.lora is None else seq.lora.id))
             start = i
 
     def _take(self, block_id: int) -> None:
@@ -173,9 +176,16 @@ class BlockManager:
         size = self.block_size
         while len(hashes) < num_blocks:
             index = len(hashes)
-            parent = hashes[-1] if hashes else _HASH_ROOT
+            parent = hashes[-1] if hashes else chain_root(seq)
             hashes.append(block_key(parent, seq.token_ids_slice(index * size, (index + 1) * size)))
         return hashes
+
+
+def chain_root(seq: Sequence) -> bytes:
+    """Where a sequence's hash chain starts: the process's root, or its adapter's own root derived from it."""
+    if seq.lora is None:
+        return _HASH_ROOT
+    return hashlib.sha256(_HASH_ROOT + b"lora" + seq.lora.id.to_bytes(8, "big") + seq.lora.name.encode()).digest()
 
 
 def block_key(parent: bytes, token_ids: list[int]) -> bytes:

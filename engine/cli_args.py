@@ -6,7 +6,7 @@ import argparse
 import os
 
 from kvfleet.engine.config import EngineConfig
-from kvfleet.fleet.engine_settings import declared, flag_fields, flag_name, value_type
+from kvfleet.fleet.engine_settings import declared, default_of, flag_fields, flag_name, value_type
 from kvfleet.fleet.sizes import parse_size
 
 
@@ -22,10 +22,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in flag_fields():
         meta = declared(f)
         # Read when the parser is built, as before: a token in the environment is the flag's default.
-        default = (os.environ.get(meta.env) or None) if meta.env else f.default
+        default = (os.environ.get(meta.env) or None) if meta.env else default_of(f)
         kwargs: dict = {"default": default, "help": meta.help}
         if value_type(f) is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif meta.many:
+            kwargs["nargs"] = "+"
         elif meta.size:
             kwargs["type"] = _size
         elif meta.choices:
@@ -36,4 +38,4 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name, f.default) for f in flag_fields()})
+    return EngineConfig(**{f.name: getattr(args, f.name, default_of(f)) for f in flag_fields()})

@@ -51,7 +51,8 @@ class KVEventHub:
     def __init__(self, max_subscribers: int = MAX_SUBSCRIBERS, max_queued: int = MAX_QUEUED) -> None:
         self.max_subscribers, self.max_queued = max_subscribers, max_queued
         self._lock = threading.Lock()
-        self._blocks: dict[int, tuple[int | None, tuple[int, ...], int]] = {}  # name -> (parent, tokens, size)
+        # name -> (parent, tokens, size, (adapter name, adapter id))
+        self._blocks: dict[int, tuple[int | None, tuple[int, ...], int, tuple[str | None, int | None]]] = {}
         self._seq = 0
         self._subscribers: set[Subscription] = set()
 
@@ -110,7 +111,8 @@ class KVEventHub:
         if isinstance(event, BlockStored):
             size, parent = event.block_size, event.parent_block_hash
             for i, name in enumerate(event.block_hashes):
-                self._blocks[name] = (parent, event.token_ids[i * size:(i + 1) * size], size)
+                self._blocks[name] = (parent, event.token_ids[i * size:(i + 1) * size], size,
+                                      (event.lora_name, event.lora_id))
                 parent = name
         elif isinstance(event, BlockRemoved):
             for name in event.block_hashes:
@@ -120,7 +122,7 @@ class KVEventHub:
 
     def _held(self) -> list[BlockStored]:
         """Every block held, each after its parent (a chain in one event where it runs on)."""
-        runs: list[tuple[list[int], int | None, list[int], int]] = []  # hashes, parent, tokens, block size
+        runs: list[tuple[list[int], int | None, list[int], int, tuple]] = []  # hashes, parent, tokens, size, adapter
         emitted: set[int] = set()
         for name in self._blocks:
             chain = []
@@ -129,10 +131,10 @@ class KVEventHub:
                 chain.append(name)
                 name = self._blocks[name][0]
             for block in reversed(chain):
-                parent, tokens, size = self._blocks[block]
-                if runs and runs[-1][0][-1] == parent and runs[-1][3] == size:
+                parent, tokens, size, lora = self._blocks[block]
+                if runs and runs[-1][0][-1] == parent and runs[-1][3] == size and runs[-1][4] == lora:
                     runs[-1][0].append(block)
                     runs[-1][2].extend(tokens)
                 else:
-                    runs.append(([block], parent, list(tokens), size))
-        return [BlockStored(tuple(h), parent, tuple(t), size) for h, parent, t, size in runs]
+                    runs.append(([block], parent, list(tokens), size, lora))
+        return [BlockStored(tuple(h), parent, tuple(t), size, *lora) for h, parent, t, size, lora in runs]

@@ -37,13 +37,7 @@ DATA_PARALLEL_RANK = 0
 def encode_batch(batch: EventBatch, rank: int = DATA_PARALLEL_RANK) -> bytes:
     """A batch as vLLM's msgspec encoder lays it out: array-like envelope, tagged-map events with every field
     that has no default (lora_id, medium, lora_name) present even when null."""
-    events = []
-    for event in batch.events:
-        fields = event_dict(event)
-        if fields["type"] == "BlockStored":
-            fields["lora_name"] = None
-        events.append(fields)
-    return msgpack.packb([batch.ts, events, rank])
+    return msgpack.packb([batch.ts, [event_dict(event) for event in batch.events], rank])
 
 
 @dataclass

@@ -16,6 +16,9 @@ from kvfleet.engine.capacity_fit import DecodeStepFit
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.kv_capacity import KVCapacity, plan_kv_cache
+from kvfleet.engine.lora_adapter import AdapterError, read_adapter
+from kvfleet.engine.lora_layers import LoraSlots
+from kvfleet.engine.lora_registry import LoraRegistry, LoraSpec, parse_lora_module
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.model_files import resolve_model
 from kvfleet.engine.model_loader import load_model, pick_device, pick_dtype
@@ -58,6 +61,9 @@ class EngineStats:
     prefill_tokens_per_second: float = 0.0  # 0: not measured yet
     request_slot_seconds: float = 0.0  # 0: no request finished yet
     decode_tokens_per_second_full_batch: float = 0.0  # 0: not measured at two batch sizes yet
+    max_loras: int = 0  # 0: LoRA off
+    running_lora_adapters: tuple[str, ...] = ()  # the adapters of running and of waiting requests, by name
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 class LLMEngine:
@@ -79,6 +85,7 @@ class LLMEngine:
             self.model_dir, self.model_config, config.block_size, self.max_model_len, self.dtype, self.device,
             self.attention_backend, show_progress,
         )
+        self.lora_slots, self.lora_registry = self._set_up_lora()
         self.startup_s["weights"], started = time.perf_counter() - started, time.perf_counter()
         self.capacity = self._plan_kv_cache()
         graphs = self._use_cuda_graphs()
@@ -90,9 +97,10 @@ class LLMEngine:
         self.block_manager = BlockManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_waiting,
-            config.static_batching,
+            config.static_batching, config.max_loras if self.lora_slots is not None else None,
         )
-        self.runner = ModelRunner(self.model, self.backend, self.device, self._capture_graphs() if graphs else None)
+        self.runner = ModelRunner(self.model, self.backend, self.device, self._capture_graphs() if graphs else None,
+                                  self.lora_slots)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, RequestState] = {}
         self._finished_outputs: list[RequestOutput] = []
@@ -108,7 +116,27 @@ class LLMEngine:
         self.profile: StepProfile | None = None  # set one to learn where the steps' time goes (step_profile.py)
 
     def _use_cuda_graphs(self) -> bool:
-        return self.device.type == "cuda" and self.attention_backend == "triton" and not self.config.enforce_eager
+        return (self.device.type == "cuda" and self.attention_backend == "triton" and not self.config.enforce_eager
+                and self.lora_slots is None)  # a replayed graph would not see each step's adapter plan
+
+    def _set_up_lora(self) -> tuple[LoraSlots | None, LoraRegistry | None]:
+        """The adapters' slots in the model and the registry of served adapters, with --lora-modules read and
+        checked (AdapterError names the one that does not fit); (None, None) without --enable-lora."""
+        config = self.config
+        if not config.enable_lora:
+            return None, None
+        slots = LoraSlots(self.model, self.model_config, config.max_loras, config.max_lora_rank, self.dtype,
+                          self.device)
+
+        def read(name: str, directory) -> object:  # noqa: ANN001 - a Path
+            return read_adapter(name, directory, self.model_config, config.max_lora_rank, self.dtype)
+
+        registry = LoraRegistry(read, config.max_cpu_loras or config.max_loras, config.lora_allowed_dirs,
+                                reserved_names=(self.model_name,))
+        for module in config.lora_modules:
+            name, path = parse_lora_module(module)
+            registry.register(name, path, check_allowed=False)
+        return slots, registry
 
     def _capture_graphs(self) -> DecodeGraphs:
         graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs, self.max_model_len,
@@ -147,7 +175,7 @@ class LLMEngine:
     # --- requests -----------------------------------------------------------------------------
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                      priority: int = 0) -> Sequence:
+                      priority: int = 0, lora: LoraSpec | None = None) -> Sequence:
         """Check a request and turn it into a Sequence; RequestError says what to change. Touches no engine state."""
         if isinstance(prompt, str):
             if not prompt:
@@ -171,7 +199,9 @@ class LLMEngine:
                 f"{total} tokens ({len(token_ids)} in the prompt, {params.max_tokens} in the completion). "
                 "Please reduce the prompt or max_tokens."
             )
-        return Sequence(request_id or uuid.uuid4().hex, token_ids, params, priority=priority)
+        if lora is not None and self.lora_registry is None:
+            raise RequestError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        return Sequence(request_id or uuid.uuid4().hex, token_ids, params, priority=priority, lora=lora)
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
@@ -181,8 +211,8 @@ class LLMEngine:
         self.prefill_tokens_pending += seq.num_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        self.add_sequence(self.make_sequence(prompt, params, request_id, priority))
+                    priority: int = 0, lora: LoraSpec | None = None) -> None:
+        self.add_sequence(self.make_sequence(prompt, params, request_id, priority, lora))
 
     def abort_request(self, request_id: str) -> None:
         state = self.requests.get(request_id)
@@ -209,6 +239,8 @@ class LLMEngine:
         outputs, self._finished_outputs = self._finished_outputs, []
         scheduling = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.lora_slots is not None:
+            plan.scheduled = self._activate_adapters(plan.scheduled)
         self.last_batch_size = len(plan.scheduled)
         if plan.is_empty:
             self.prefill_tokens_pending = self.scheduler.prefill_tokens_pending()
@@ -244,6 +276,25 @@ class LLMEngine:
         if all(n == 1 for _, n in plan.scheduled):
             self.decode_fit.add(len(plan.scheduled), seconds)
         return outputs
+
+    def _activate_adapters(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Put the step's adapters in slots (reading any evicted from host memory again); a request whose adapter
+        cannot be read any more fails alone. The step's batch without those."""
+        specs = {seq.lora.id: seq.lora for seq, _ in scheduled if seq.lora is not None}
+        adapters, failed = {}, {}
+        for adapter_id, spec in specs.items():
+            try:
+                adapters[adapter_id] = self.lora_registry.adapter(spec)
+            except (AdapterError, OSError) as err:
+                log.error("the adapter %r could not be read again: %s", spec.name, err)
+                failed[adapter_id] = f"the adapter {spec.name!r} could not be read again from {spec.path}: {err}"
+        self.lora_slots.activate(adapters)
+        if not failed:
+            return scheduled
+        for seq, _ in scheduled:
+            if seq.lora is not None and seq.lora.id in failed:
+                self._fail(seq, failed[seq.lora.id])
+        return [(seq, n) for seq, n in scheduled if seq.lora is None or seq.lora.id not in failed]
 
     def _measure_prefill(self, plan, seconds: float) -> None:  # noqa: ANN001 - scheduler.SchedulerOutput
         """Prompt tokens computed per second in steps that computed at least a block of them (a moving average). In a
@@ -355,17 +406,28 @@ class LLMEngine:
             prefill_tokens_pending=self.prefill_tokens_pending, prefill_tokens_per_second=self.prefill_rate,
             request_slot_seconds=self.slot_seconds,
             decode_tokens_per_second_full_batch=self.decode_fit.tokens_per_s,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.lora_slots is None:
+            return {}
+        running = {seq.lora.name for seq in self.scheduler.running if seq.lora is not None}
+        waiting = {seq.lora.name for seq in self.scheduler.waiting if seq.lora is not None}
+        return {"max_loras": self.config.max_loras, "running_lora_adapters": tuple(sorted(running)),
+                "waiting_lora_adapters": tuple(sorted(waiting))}
 
     # --- offline use --------------------------------------------------------------------------
 
-    def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams]
-                 ) -> list[RequestOutput]:
-        """Run prompts to completion (vLLM's LLM.generate); returns the final output of each, in order."""
+    def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams],
+                 loras: Seq[str | None] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (vLLM's LLM.generate); returns the final output of each, in order. loras: each
+        prompt's adapter by name (None: the base model)."""
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        specs = [None if name is None else self.lora_registry.get(name) for name in loras or [None] * len(prompts)]
         ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.add_request(request_id, prompt, p)
+        for request_id, prompt, p, spec in zip(ids, prompts, params_list, specs, strict=True):
+            self.add_request(request_id, prompt, p, lora=spec)
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():

@@ -6,6 +6,7 @@ observed by the engine thread when a request finishes and after each step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -62,6 +63,12 @@ class _StatsCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        if stats.max_loras:
+            info = GaugeMetricFamily(names.LORA_REQUESTS_INFO, "LoRA adapters of running and waiting requests (labels) "
+                                     "as of this time (the value)", labels=names.LORA_INFO_LABELS)
+            info.add_metric([str(stats.max_loras), ",".join(stats.running_lora_adapters),
+                             ",".join(stats.waiting_lora_adapters)], time.time())
+            yield info
 
 
 class EngineMetrics:

@@ -9,8 +9,10 @@ import torch
 
 from kvfleet.engine.attention import AttentionBackend, AttentionMetadata, DecodeGroup
 from kvfleet.engine.cuda_graphs import DecodeGraphs
+from kvfleet.engine.lora_layers import LoraSlots
 from kvfleet.engine.models.llama import LlamaForCausalLM
 from kvfleet.engine.sequence import Sequence
+from kvfleet.kernels.lora import plan_lora
 
 
 @dataclass
@@ -24,7 +26,7 @@ class BatchInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, lora: LoraSlots | None = None) -> None:
         self.model = model
         self.backend = backend
         self.block_size = backend.block_size
@@ -32,6 +34,7 @@ class ModelRunner:
         self.group_blocks = backend.decode_group_blocks
         self.graphs = graphs  # decode steps by CUDA-graph replay (engine/cuda_graphs.py); None: always eager
         self.last_prepare_s = 0.0  # the latest step's time building its inputs (engine/step_profile.py)
+        self.lora = lora  # the adapters' slots (engine/lora_layers.py); each sequence's adapter is in one already
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
@@ -45,7 +48,11 @@ class ModelRunner:
                 return decodes, self.model.compute_logits(hidden)
         batch = self.prepare(scheduled)
         self.last_prepare_s = time.perf_counter() - started
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        finally:
+            if self.lora is not None:
+                self.lora.step.plan = None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         return batch.sample_sequences, logits
 
@@ -70,6 +77,8 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 sample_sequences.append(seq)
+        if self.lora is not None:
+            self.lora.step.plan = plan_lora(self._token_slots(ordered), self.device)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decodes),
@@ -80,6 +89,16 @@ class ModelRunner:
         )
         return BatchInputs(self._tensor(input_ids), self._tensor(positions), meta,
                            self._tensor(logits_indices), sample_sequences)
+
+    def _token_slots(self, ordered: list[tuple[Sequence, int]]) -> list[int]:
+        """Each token's adapter slot, in the batch's token order (-1: the base model)."""
+        slots: list[int] = []
+        for seq, n in ordered:
+            slot = -1 if seq.lora is None else self.lora.slot_of(seq.lora.id)
+            if slot is None:
+                raise RuntimeError(f"request {seq.request_id}'s adapter {seq.lora.name!r} is in no slot")
+            slots += [slot] * n
+        return slots
 
     def _decode_groups(self, decodes: list[tuple[Sequence, int]]) -> list[DecodeGroup]:
         """Cut the length-sorted decode sequences into groups whose padded K/V stays cache-sized."""

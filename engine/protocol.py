@@ -16,8 +16,9 @@ from kvfleet.fleet.openai_schema import (
     StreamOptions,
 )
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "RequestSchemaError",
-           "SamplingRequest", "StreamOptions", "TokenizeRequest", "check_against_model", "sampling_params"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "LoadLoraAdapterRequest",
+           "RequestSchemaError", "SamplingRequest", "StreamOptions", "TokenizeRequest", "UnloadLoraAdapterRequest",
+           "check_against_model", "sampling_params"]
 
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_CHOICES = 128  # prompts x n in one request: each is an engine request
@@ -77,6 +78,24 @@ def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None
         field = message.split(" ", 1)[0].removesuffix("[]")
         raise RequestSchemaError(message, field if field in SamplingRequest.model_fields or field in (
             "max_tokens", "logprobs") else None) from err
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter: a name for the adapter and its directory (load_inplace and other vLLM
+    fields are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    lora_name: StrictStr = Field(max_length=256)
+    lora_path: StrictStr = Field(max_length=4096)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    lora_name: StrictStr = Field(max_length=256)
 
 
 class TokenizeRequest(BaseModel):

@@ -15,7 +15,12 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
-from kvfleet.engine.protocol import DetokenizeRequest, TokenizeRequest
+from kvfleet.engine.protocol import (
+    DetokenizeRequest,
+    LoadLoraAdapterRequest,
+    TokenizeRequest,
+    UnloadLoraAdapterRequest,
+)
 from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.openai_schema import (
     SCHEMAS,
@@ -30,6 +35,7 @@ from kvfleet.fleet.openai_schema import (
 ENGINE_SCHEMAS = SCHEMAS | {
     "/v1/completions/render": CompletionRequest, "/v1/chat/completions/render": ChatCompletionRequest,
     "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+    "/v1/load_lora_adapter": LoadLoraAdapterRequest, "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
 
 
@@ -68,10 +74,3 @@ class StrictJSONRoute(APIRoute):
             return await handler(request)
 
         return strict_handler
-
-
-def check_model_name(served: str, requested: str | None) -> None:
-    """A body's `model`, when given, must be the one this engine serves: 404 as OpenAI answers an unknown model."""
-    if requested is not None and requested != served:
-        raise APIError(404, f"The model `{requested[:200]}` does not exist; this engine serves `{served}`",
-                       param="model", code="model_not_found")

@@ -6,6 +6,10 @@ chunked prefills), then waiting ones are admitted by priority. When KV blocks ru
 lowest-priority, latest-arrived running sequence is preempted and later recomputed. A waiting request that
 outranks a running one does not wait behind it (vLLM's priority policy): when the batch is full or its first
 chunk's blocks are not free, the lowest-priority running sequence is preempted to make room.
+
+With LoRA adapters, the running batch holds at most max_loras distinct adapters (each needs a slot of weights).
+A waiting request whose adapter would be one too many is passed by later requests, as in vLLM, but by at most one
+batch's worth (max_num_seqs) of them: then nothing passes it, the running adapters drain, and it gets the slot.
 """
 
 from __future__ import annotations
@@ -43,12 +47,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_waiting: int,
         static_batching: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_waiting = max_num_waiting
         self.static_batching = static_batching
+        self.max_loras = max_loras  # distinct adapters in the running batch (None: LoRA off)
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by (priority, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -126,7 +132,7 @@ class Scheduler:
             out.preempted.append(victim)
 
     def _could_admit(self, seq: Sequence) -> bool:
-        if len(self.running) >= self.max_num_seqs:
+        if len(self.running) >= self.max_num_seqs or self._over_lora_cap(seq, self.running_adapters()):
             return False
         cached, num_new = self._first_chunk(seq, self.max_num_batched_tokens)
         return self.block_manager.can_allocate(seq, num_new, cached)
@@ -140,16 +146,35 @@ class Scheduler:
         """Static batching admits only while its batch is forming: until a member starts decoding."""
         return not self.static_batching or not any(seq.output_token_ids for seq in self.running)
 
+    def running_adapters(self) -> set[int]:
+        """The LoRA adapters (by registration id) of the running batch."""
+        return {seq.lora.id for seq in self.running if seq.lora is not None}
+
+    def _over_lora_cap(self, seq: Sequence, adapters: set[int]) -> bool:
+        return (self.max_loras is not None and seq.lora is not None and seq.lora.id not in adapters
+                and len(adapters) >= self.max_loras)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        adapters = self.running_adapters()
+        held_back: list[tuple[tuple[int, int], Sequence]] = []  # over the adapter cap: back in line afterwards
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
             if any(seq is victim for victim in out.preempted):  # made room for others this step: not back at once
                 break
+            if self._over_lora_cap(seq, adapters):
+                if seq.passed_by >= self.max_num_seqs:  # a batch's worth passed it: nothing more does
+                    break
+                held_back.append(heapq.heappop(self._waiting))
+                continue
             cached, num_new = self._first_chunk(seq, budget)
             num_cached_tokens = self.block_manager.cached_prefix_tokens(cached)
             if not self.block_manager.allocate(seq, num_new, cached):
                 break
             heapq.heappop(self._waiting)
+            for _, passed in held_back:
+                passed.passed_by += 1
+            if seq.lora is not None:
+                adapters.add(seq.lora.id)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached_tokens
                 self.block_manager.record_prefix_lookup(seq.num_prompt_tokens, num_cached_tokens)
@@ -158,6 +183,8 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+        for item in held_back:
+            heapq.heappush(self._waiting, item)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop its KV now, keep its tokens, put it back in line by priority."""

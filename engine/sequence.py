@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvfleet.engine.lora_registry import LoraSpec
 from kvfleet.engine.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -33,6 +34,7 @@ class Sequence:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     priority: int = 0
+    lora: LoraSpec | None = None  # the adapter this request runs with (None: the base model)
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     output_token_ids: list[int] = field(default_factory=list)
@@ -47,6 +49,7 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     error: str | None = None
+    passed_by: int = 0  # requests admitted ahead of it while the --max-loras cap held it back (scheduler.py)
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None and self.generator is None:

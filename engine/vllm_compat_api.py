@@ -15,8 +15,9 @@ import uuid
 
 from fastapi import FastAPI, Request
 
+from kvfleet.engine.lora_api import requested_adapter
 from kvfleet.engine.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from kvfleet.engine.request_checks import check_model_name, check_prompt_chars
+from kvfleet.engine.request_checks import check_prompt_chars
 from kvfleet.engine.sglang_compat_api import VERSION
 from kvfleet.fleet.errors import APIError
 
@@ -69,7 +70,7 @@ def install_vllm_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - a
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         engine = state.require_engine()
-        check_model_name(state.model_name, body.model)
+        requested_adapter(state.model_name, state.require_engine().lora_registry, body.model)
         tokenizer, max_model_len = engine.tokenizer, engine.max_model_len
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either prompt (text) or messages (a chat), not both or neither", param="prompt")
@@ -91,7 +92,7 @@ def install_vllm_compat_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - a
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         engine = state.require_engine()
-        check_model_name(state.model_name, body.model)
+        requested_adapter(state.model_name, state.require_engine().lora_registry, body.model)
         vocab, limit = engine.vocab_size, engine.max_model_len * MAX_PROMPTS
         if len(body.tokens) > limit:
             raise APIError(400, f"tokens: at most {limit} token ids per request, got {len(body.tokens)}",

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from kvfleet.engine.lora_adapter import AdapterError, projection_shapes, read_adapter
 from kvfleet.engine.model_config import ModelConfig
-from kvfleet.kernels.lora import lora_update
+from kvfleet.kernels.lora import lora_update, plan_lora
 
 BASE = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=256)
@@ -51,8 +51,7 @@ def test_the_update_equals_the_projection_with_the_adapter_merged_in(tmp_path: P
     weight = torch.randn(BASE.hidden_size, BASE.intermediate_size)  # the base projection, [out, in]
     merged = weight + adapter.scaling * b @ a  # peft's merge
     x = torch.randn(5, BASE.intermediate_size)
-    got = lora_update(x @ weight.T, x, a[None], b[None], torch.zeros(5, dtype=torch.long),
-                      torch.tensor([adapter.scaling]))
+    got = lora_update(x @ weight.T, x, a[None], adapter.scaling * b[None], plan_lora([0] * 5))
     torch.testing.assert_close(got, x @ merged.T, rtol=1e-4, atol=1e-4)
 
 

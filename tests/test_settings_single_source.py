@@ -25,6 +25,7 @@ from kvfleet.fleet.engine_settings import (
     LOCAL_FLEET,
     EngineSettings,
     crd_fields,
+    default_of,
     flag_fields,
     flag_name,
 )
@@ -51,7 +52,7 @@ def test_the_flags_defaults_are_engineconfigs_and_the_declarations() -> None:
     parsed = engine_parser().parse_args([])
     config = EngineConfig()
     for f in flag_fields():
-        assert getattr(parsed, f.name) == getattr(config, f.name) == f.default, f.name
+        assert getattr(parsed, f.name) == getattr(config, f.name) == default_of(f), f.name
     assert engine_config_from_args(parsed) == config
     assert DEFAULT_MODEL == ENGINE_DEFAULT_MODEL
 

@@ -83,6 +83,8 @@ class KVIndex:
                 blocks = self._engines[url]
 
     def _store(self, url: str, blocks: EngineBlocks, event: BlockStored) -> None:
+        if event.lora_name is not None or event.lora_id is not None:  # an adapter's KV: no plain request uses it
+            return
         parent = None
         if event.parent_block_hash is not None:
             parent = blocks.keys.get(event.parent_block_hash)

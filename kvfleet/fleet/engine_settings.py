@@ -45,10 +45,13 @@ class Setting:
     flag: bool = True  # False: set in code only, no `kvfleet engine` flag
     env: str | None = None  # the flag's default is read from this environment variable
     secret: bool = False  # kept out of repr and off command lines
+    many: bool = False  # a list of strings: one flag followed by its values (vLLM's `--lora-modules a=p b=q`)
 
 
 def setting(default: Any, **declared: Any) -> Any:
     meta = Setting(**declared)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"setting": meta}, repr=not meta.secret)
     return field(default=default, metadata={"setting": meta}, repr=not meta.secret)
 
 
@@ -86,6 +89,20 @@ class EngineSettings:
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS)
     enforce_eager: bool = setting(False, help="never capture CUDA graphs of decode steps (vLLM's flag; on CUDA with "
                                               "the Triton backend they are captured at start by default)")
+    # Multi-LoRA, with vLLM's flags and defaults (engine/lora_registry.py, engine/lora_layers.py).
+    enable_lora: bool = setting(False, help="serve LoRA adapters of the base model (PEFT format), batched together")
+    lora_modules: list[str] = setting([], many=True, help="adapters served from the start, as NAME=PATH (a directory "
+                                      "with adapter_config.json and adapter_model.safetensors); implies "
+                                      "--enable-lora")
+    max_loras: int = setting(1, minimum=1, help="most distinct adapters in one batch (each holds a slot of stacked "
+                                                "weights)")
+    max_lora_rank: int = setting(16, minimum=1, help="the largest rank an adapter may have")
+    max_cpu_loras: int | None = setting(None, minimum=1, help="adapters kept read in host memory, least recently "
+                                        "used evicted first (default: --max-loras); the rest are read again from "
+                                        "their directories when needed")
+    lora_allowed_dirs: list[str] = setting([], many=True, help="directories POST /v1/load_lora_adapter may load "
+                                           "adapters from (default: none, runtime loading off); a path outside "
+                                           "them is refused")
     # Benchmark baseline: a batch of up to max_num_seqs forms, then runs until its longest member ends.
     static_batching: bool = setting(False, flag=False)
     # The HTTP server's shared token for /v1/* (None: open).
@@ -96,7 +113,7 @@ class EngineSettings:
     def to_args(self) -> list[str]:
         """The `kvfleet engine` flags that give these settings: those that differ from the defaults."""
         return engine_args({f.name: getattr(self, f.name) for f in flag_fields()
-                            if not declared(f).secret and getattr(self, f.name) != f.default})
+                            if not declared(f).secret and getattr(self, f.name) != default_of(f)})
 
     def check_declared_bounds(self) -> None:
         """ValueError naming the first setting below its declared minimum or outside its choices."""
@@ -112,6 +129,11 @@ def declared(f: dataclasses.Field) -> Setting:
     return f.metadata["setting"]
 
 
+def default_of(f: dataclasses.Field) -> Any:
+    """A setting's default value (a list setting's: a new empty list)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def flag_fields() -> Iterator[dataclasses.Field]:
     """The settings `kvfleet engine` takes as flags, in declaration (and --help) order."""
     return (f for f in dataclasses.fields(EngineSettings) if declared(f).flag)
@@ -122,7 +144,9 @@ def flag_name(f: dataclasses.Field) -> str:
 
 
 def value_type(f: dataclasses.Field) -> type:
-    """The field's type without None: int, float, bool or str (a size field is str | int)."""
+    """The field's type without None: int, float, bool or str (a size field is str | int, a `many` field a list)."""
+    if declared(f).many:
+        return list
     hint = typing.get_type_hints(EngineSettings)[f.name]
     kinds = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
     return kinds[0] if len(kinds) == 1 else str
@@ -143,6 +167,8 @@ def engine_args(values: Mapping[str, Any]) -> list[str]:
             raise ValueError(f"{name} goes to the engine through ${declared(f).env}, never on a command line")
         if isinstance(value, bool):
             out.append(flag_name(f) if value else "--no-" + flag_name(f)[2:])
+        elif declared(f).many:
+            out += [flag_name(f), *map(str, value)] if value else []
         else:
             out += [flag_name(f), str(value)]
     return out

@@ -7,11 +7,14 @@ messages from 0, so a gap means something was lost; a snapshot message starts wi
 every block held. Events are vLLM's tagged maps:
 
     {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": int | null, "token_ids": [...],
-     "block_size": 16, "lora_id": null, "medium": "GPU"}
+     "block_size": 16, "lora_id": null, "medium": "GPU", "lora_name": null}
     {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}
     {"type": "AllBlocksCleared"}
 
-`medium` "GPU" names the engine's primary KV tier, as vLLM's does, whatever the device.
+`medium` "GPU" names the engine's primary KV tier, as vLLM's does, whatever the device. A block computed for a LoRA
+adapter names it in `lora_name` (vLLM >= 0.11) and carries the engine's id of the adapter in `lora_id` (the older
+field, deprecated by vLLM, which older routers check): its KV is that adapter's, and no request of the base model or
+another adapter can use it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 KV_EVENTS_PATH = "/kv_events"  # the engine's SSE stream of these messages (an engine API key guards it)
 MEDIUM = "GPU"
 MAX_BLOCK_SIZE = 1024
+MAX_LORA_NAME = 256
 MAX_BLOCKS_PER_EVENT = 65_536
 MAX_EVENTS_PER_MESSAGE = 65_536
 HASH_BITS = 64
@@ -37,6 +41,8 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    lora_name: str | None = None  # the adapter whose KV these blocks hold (None: the base model)
+    lora_id: int | None = None  # the engine's id of that adapter's registration
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +75,8 @@ def event_dict(event: KVEvent) -> dict:
     if isinstance(event, BlockStored):
         return {"type": "BlockStored", "block_hashes": list(event.block_hashes),
                 "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
-                "block_size": event.block_size, "lora_id": None, "medium": MEDIUM}
+                "block_size": event.block_size, "lora_id": event.lora_id, "medium": MEDIUM,
+                "lora_name": event.lora_name}
     if isinstance(event, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": MEDIUM}
     return {"type": "AllBlocksCleared"}
@@ -117,7 +124,13 @@ def parse_event(raw: object) -> KVEvent:
         parent = _hash(parent)
     if not isinstance(tokens, list) or len(tokens) != len(hashes) * size or not all(map(_is_token, tokens)):
         raise KVEventError("token_ids must be block_size non-negative integers per stored block")
-    return BlockStored(hashes, parent, tuple(tokens), size)
+    lora = raw.get("lora_name")
+    if lora is not None and (not isinstance(lora, str) or not 0 < len(lora) <= MAX_LORA_NAME):
+        raise KVEventError(f"lora_name must be null or a name of 1 to {MAX_LORA_NAME} characters")
+    lora_id = raw.get("lora_id")
+    if lora_id is not None and not (_is_int(lora_id) and 0 <= lora_id < 1 << 63):
+        raise KVEventError("lora_id must be null or a non-negative integer")
+    return BlockStored(hashes, parent, tuple(tokens), size, lora, lora_id)
 
 
 def _from_array(raw: list | tuple) -> dict:

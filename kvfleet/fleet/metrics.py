@@ -55,6 +55,13 @@ REQUEST_IGNORED_FIELDS = "kvfleet_request_ignored_fields"
 STARTUP_SECONDS = "kvfleet_startup_seconds"
 STARTUP_PHASES = ("imports", "tokenizer", "weights", "kv_cache", "warmup", "total")  # total: process start to ready
 
+# Multi-LoRA, in vLLM's shape (vllm:lora_requests_info, which the Gateway API Inference Extension's picker reads): a
+# gauge set to the scrape's time, its labels the engine's adapter cap and the adapters of running and of waiting
+# requests, comma-joined. The readers accept vLLM's name too.
+LORA_REQUESTS_INFO = "kvfleet_lora_requests_info"
+VLLM_LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+
 # Histograms.
 TIME_TO_FIRST_TOKEN = "kvfleet_time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "kvfleet_inter_token_latency_seconds"

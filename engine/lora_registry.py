@@ -1,0 +1,154 @@
+"""Which LoRA adapters the engine serves, by name, and the ones read into host memory (vLLM's --max-cpu-loras LRU).
+
+An adapter is registered under a name with its directory (from --lora-modules at start, or POST /v1/load_lora_adapter
+from an allowed directory), read and checked in full before the name answers: a name that answers is an adapter that
+loads. Each registration gets a new id, which keys its prefix-cache blocks: an adapter loaded again under the same
+name (perhaps with new weights) never hits the blocks of the one before. Requests hold their adapter's LoraSpec, so
+an unload stops new requests while those in flight finish, reading the adapter again if it was evicted meanwhile.
+
+The API server's threads register and look up; the engine thread reads adapters: one lock guards both.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfleet.engine.lora_adapter import AdapterError, LoraAdapter
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")  # what a model name in a request may be
+MAX_ADAPTERS = 1024  # names registered at once: a load storm is refused past it, not kept in memory
+
+
+class LoraNotFoundError(KeyError):
+    """No adapter of that name is registered."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A registered adapter: its name, its directory, and the id of this registration."""
+
+    name: str
+    path: Path
+    id: int
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """`NAME=PATH` (vLLM's --lora-modules form) as (name, path); ValueError saying what is wrong."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules takes NAME=PATH (an adapter's name and its directory), not {text!r}")
+    return name, path
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not NAME.match(name):
+        raise AdapterError("an adapter's name is 1-128 letters, digits and . _ : / - (starting with a letter or "
+                           f"digit), not {name!r}")
+    return name
+
+
+def inside_allowed(path: Path, allowed: list[Path]) -> bool:
+    """Whether path, with every symlink and `..` resolved, lies under one of the allowed directories."""
+    resolved = path.resolve()
+    return any(resolved == root or root in resolved.parents for root in allowed)
+
+
+class LoraRegistry:
+    def __init__(self, read: Callable[[str, Path], LoraAdapter], max_cpu_loras: int,
+                 allowed_dirs: list[str] | None = None, reserved_names: tuple[str, ...] = ()) -> None:
+        self._read = read  # (name, directory) -> the adapter, checked against the base model
+        self.max_cpu_loras = max_cpu_loras
+        self.allowed_dirs = [Path(d).resolve() for d in allowed_dirs or []]
+        self.reserved_names = set(reserved_names)  # the base model's names: no adapter may take one
+        self._specs: dict[str, LoraSpec] = {}
+        self._host: OrderedDict[int, LoraAdapter] = OrderedDict()  # by LoraSpec.id, least recently used first
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.loads = 0  # adapters read from disk (a registration or a read after eviction)
+
+    @property
+    def runtime_loading(self) -> bool:
+        return bool(self.allowed_dirs)
+
+    def names(self) -> list[LoraSpec]:
+        with self._lock:
+            return list(self._specs.values())
+
+    def get(self, name: str) -> LoraSpec:
+        with self._lock:
+            spec = self._specs.get(name)
+        if spec is None:
+            raise LoraNotFoundError(name)
+        return spec
+
+    def lookup(self, name: str) -> LoraSpec | None:
+        with self._lock:
+            return self._specs.get(name)
+
+    def register(self, name: str, path: str | Path, *, check_allowed: bool) -> LoraSpec:
+        """Read and check the adapter, then answer to its name; AdapterError (nothing kept) if it does not fit.
+        check_allowed: the path must lie under --lora-allowed-dirs (a client named it; the command line is trusted).
+        """
+        check_name(name)
+        if name in self.reserved_names:
+            raise AdapterError(f"{name!r} is the base model's name; give the adapter another")
+        directory = Path(path)
+        if check_allowed and not inside_allowed(directory, self.allowed_dirs):
+            raise AdapterError(f"the adapter path {str(path)!r} is outside the directories adapters may be loaded "
+                               "from (--lora-allowed-dirs)")
+        with self._lock:
+            if name in self._specs:
+                raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first or use another "
+                                   "name")
+            if len(self._specs) >= MAX_ADAPTERS:
+                raise AdapterError(f"{MAX_ADAPTERS} adapters are loaded already; unload one first")
+        adapter = self._read(name, directory)  # outside the lock: reading takes milliseconds to seconds
+        with self._lock:
+            if name in self._specs:  # another load of the same name finished first
+                raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first or use another "
+                                   "name")
+            spec = LoraSpec(name, directory, next(self._ids))
+            self._specs[name] = spec
+            self.loads += 1
+            self._keep(spec.id, adapter)
+        return spec
+
+    def unregister(self, name: str) -> LoraSpec:
+        with self._lock:
+            spec = self._specs.pop(name, None)
+            if spec is None:
+                raise LoraNotFoundError(name)
+            self._host.pop(spec.id, None)
+        return spec
+
+    def adapter(self, spec: LoraSpec) -> LoraAdapter:
+        """The adapter's weights: from host memory, or read again from its directory (AdapterError if that fails:
+        the directory changed since it was loaded)."""
+        with self._lock:
+            adapter = self._host.get(spec.id)
+            if adapter is not None:
+                self._host.move_to_end(spec.id)
+                return adapter
+        adapter = self._read(spec.name, spec.path)
+        with self._lock:
+            self.loads += 1
+            if spec.name in self._specs and self._specs[spec.name].id == spec.id:
+                self._keep(spec.id, adapter)
+        return adapter
+
+    def _keep(self, spec_id: int, adapter: LoraAdapter) -> None:
+        self._host[spec_id] = adapter
+        self._host.move_to_end(spec_id)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+
+    @property
+    def num_in_host_memory(self) -> int:
+        with self._lock:
+            return len(self._host)
