@@ -18,7 +18,7 @@ from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.kv_capacity import KVCapacity, plan_kv_cache
 from kvfleet.engine.lora_adapter import AdapterError, read_adapter
 from kvfleet.engine.lora_layers import LoraSlots
-from kvfleet.engine.lora_registry import LoraRegistry, LoraSpec, parse_lora_module
+from kvfleet.engine.lora_registry import LoraRegistry, LoraSpec
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.model_files import resolve_model
 from kvfleet.engine.model_loader import load_model, pick_device, pick_dtype
@@ -31,6 +31,7 @@ from kvfleet.engine.scheduler import Scheduler
 from kvfleet.engine.sequence import Sequence
 from kvfleet.engine.step_profile import StepProfile, step_kind
 from kvfleet.engine.tokenizer import Tokenizer
+from kvfleet.fleet.lora import parse_lora_module
 
 log = logging.getLogger("kvfleet.engine")
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from kvfleet.engine.model_config import ModelConfig
+from kvfleet.fleet.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE, WEIGHTS_FILE = ADAPTER_CONFIG, ADAPTER_WEIGHTS
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")

@@ -38,14 +38,6 @@ class LoraSpec:
     id: int
 
 
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """`NAME=PATH` (vLLM's --lora-modules form) as (name, path); ValueError saying what is wrong."""
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"--lora-modules takes NAME=PATH (an adapter's name and its directory), not {text!r}")
-    return name, path
-
-
 def check_name(name: object) -> str:
     if not isinstance(name, str) or not NAME.match(name):
         raise AdapterError("an adapter's name is 1-128 letters, digits and . _ : / - (starting with a letter or "
@@ -95,9 +87,9 @@ class LoraRegistry:
         """Read and check the adapter, then answer to its name; AdapterError (nothing kept) if it does not fit.
         check_allowed: the path must lie under --lora-allowed-dirs (a client named it; the command line is trusted).
         """
-        check_name(name)
         if name in self.reserved_names:
             raise AdapterError(f"{name!r} is the base model's name; give the adapter another")
+        check_name(name)
         directory = Path(path)
         if check_allowed and not inside_allowed(directory, self.allowed_dirs):
             raise AdapterError(f"the adapter path {str(path)!r} is outside the directories adapters may be loaded "

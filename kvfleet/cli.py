@@ -169,12 +169,15 @@ def _up(args: argparse.Namespace) -> int:
                          max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                          max_num_seqs=args.max_num_seqs, fleet=args.fleet, routing=args.routing,
                          runtime=args.runtime, vllm=args.vllm, engine_args=args.engine_arg,
-                         gateway_args=args.gateway_arg))
+                         gateway_args=args.gateway_arg, loras=tuple(args.lora), max_loras=args.max_loras))
 
 
 def _up_kubernetes(args: argparse.Namespace) -> int:
     from kvfleet.local_cluster import ClusterSpec, default_fleet, run
 
+    if args.lora:
+        raise ValueError("--lora serves adapters from the plain local fleet's engines; on the Kubernetes path an "
+                         "InferenceFleet's engine.extraArgs name them (--enable-lora --lora-modules NAME=PATH)")
     if args.fleet_file:
         import yaml
 
@@ -223,6 +226,11 @@ def _add_up_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                    help="an extra engine argument (repeatable): a `kvfleet engine` flag, or with --runtime vllm a "
                         "`vllm serve` flag, e.g. --engine-arg=--block-size=32")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="a LoRA adapter of the model (a PEFT directory) served as NAME by every engine (repeatable): "
+                        "a request whose `model` is NAME gets it; adapters share the engines' batches")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="distinct adapters in one engine's batch (default: every --lora, at most 8)")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="an extra `kvfleet gateway` argument (repeatable), e.g. --gateway-arg=--max-queue-ms=5000")
     k = p.add_argument_group("Kubernetes path (--kubernetes): the operator and the gateway against an emulated API")
@@ -271,6 +279,29 @@ def _add_vllm_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_vllm)
 
 
+def _add_lora_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lora", help="LoRA adapters: `kvfleet lora example DIR` writes one of random weights to try")
+    p.add_argument("action", choices=("example",),
+                   help="example: a LoRA adapter of random weights for --model in PEFT's format (adapter_config.json "
+                        "and adapter_model.safetensors), for trying `kvfleet up --lora` without a fine-tune")
+    p.add_argument("dir", help="the directory to write it to")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="its base model (default: %(default)s)")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="another seed, another adapter")
+    p.set_defaults(func=_lora)
+
+
+def _lora(args: argparse.Namespace) -> int:
+    from kvfleet.engine.lora_example import write_example_adapter
+    from kvfleet.engine.model_files import resolve_model
+
+    if not 1 <= args.rank <= 512:
+        raise ValueError(f"--rank must be from 1 to 512, not {args.rank}")
+    out = write_example_adapter(resolve_model(args.model), Path(args.dir), args.rank, args.seed)
+    print(f"a rank-{args.rank} LoRA adapter of {args.model} (random weights, seed {args.seed}) in {out}")
+    return 0
+
+
 def _add_operator_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("operator", help="run the InferenceFleet operator (kopf) against the current cluster")
     p.add_argument("--namespace", "-n", action="append", default=[],
@@ -300,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway_command(sub)
     _add_up_command(sub)
     _add_vllm_command(sub)
+    _add_lora_command(sub)
     _add_operator_command(sub)
     _add_generation_command(sub, "chat", "answer one chat message with the engine (streams to stdout)")
     _add_generation_command(sub, "generate", "complete one plain prompt with the engine")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet.fleet.engine_settings import LOCAL_FLEET, EngineSettings
+from kvfleet.fleet.lora import ADAPTER_CONFIG, MAX_LORAS_DEFAULT, adapter_rank, max_lora_rank_for, parse_lora_module
 from kvfleet.fleet.ports import free_ports, port_is_free
 from kvfleet.fleet.vllm_serve import HEALTH_PATH, serve_args
 from kvfleet.gateway.models.routes import check_model_name
@@ -79,6 +80,8 @@ class FleetSpec:
     engine_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     ready_timeout_s: float = 600.0
+    loras: tuple[str, ...] = ()  # NAME=PATH: LoRA adapters every engine serves (`--lora`)
+    max_loras: int | None = None  # distinct adapters in a batch (default: all of them, at most MAX_LORAS_DEFAULT)
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -97,6 +100,34 @@ class FleetSpec:
             raise ValueError(f"each model name once (NAME=MODEL serves MODEL under another name): {', '.join(served)}")
         if len(self.models) * self.engines > 64:
             raise ValueError(f"{len(self.models)} models x {self.engines} engines is more than 64 engines")
+        self._check_loras()
+
+    def _check_loras(self) -> None:
+        """Every --lora a NAME=PATH whose directory holds an adapter, before anything starts."""
+        if self.max_loras is not None and (not self.loras or self.max_loras < 1):
+            raise ValueError("--max-loras needs --lora adapters, and is at least 1")
+        if self.loras and len(self.models) > 1:
+            raise ValueError("--lora adapters belong to one base model: give one --model")
+        names = []
+        for entry in self.loras:
+            name, path = parse_lora_module(entry, "--lora")
+            if not (Path(path) / ADAPTER_CONFIG).is_file():
+                raise ValueError(f"--lora {entry[:200]!r}: {path} holds no {ADAPTER_CONFIG} (a PEFT adapter's "
+                                 "directory has it and adapter_model.safetensors)")
+            names.append(name)
+        if len(set(names)) != len(names):
+            raise ValueError(f"each --lora name once: {', '.join(names)}")
+        max_lora_rank_for([adapter_rank(Path(parse_lora_module(e)[1])) for e in self.loras])
+
+    def lora_args(self) -> list[str]:
+        """The engine flags that serve the adapters (the same in `kvfleet engine` and `vllm serve`)."""
+        if not self.loras:
+            return []
+        adapters = [parse_lora_module(e) for e in self.loras]
+        rank = max_lora_rank_for([adapter_rank(Path(path)) for _, path in adapters])
+        return ["--enable-lora", "--max-loras", str(self.max_loras or min(len(adapters), MAX_LORAS_DEFAULT)),
+                "--max-lora-rank", str(rank),
+                "--lora-modules", *(f"{name}={Path(path).resolve()}" for name, path in adapters)]
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -161,12 +192,12 @@ class LocalFleet:
                     settings = EngineSettings(model=str(model_dir), max_model_len=s.max_model_len,
                                               kv_cache_memory=s.kv_cache_memory, max_num_seqs=s.max_num_seqs)
                     args = ["engine", *settings.to_args(), "--served-model-name", model, "--host", "127.0.0.1",
-                            "--port", str(port), *s.engine_args]
+                            "--port", str(port), *s.lora_args(), *s.engine_args]
                     engine = self._spawn(name, kvfleet_command(*args), url, env)
                 else:
                     argv = [str(vllm.executable), "serve", *serve_args(
                         str(model_dir), model, port, host="127.0.0.1", events_port=0, max_model_len=s.max_model_len,
-                        max_num_seqs=s.max_num_seqs, extra=[*s.engine_args, *dtype_args])]
+                        max_num_seqs=s.max_num_seqs, extra=[*s.lora_args(), *s.engine_args, *dtype_args])]
                     engine = self._spawn(name, argv, url, vllm_engine_env(
                         vllm, env, cores=cores[len(served)], kv_cache_memory=s.kv_cache_memory,
                         api_key=self.engine_api_key))

@@ -20,10 +20,11 @@ from tests.conftest import free_port
 from tests.test_gateway_proxy import wait_until_routable
 
 
-def start_up(model_dir, port: int, engines: int = 2, *more_models: str) -> tuple[subprocess.Popen, list[str]]:
+def start_up(model_dir, port: int, engines: int = 2, *more_models: str,
+             extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, list[str]]:
     models = [flag for m in (str(model_dir), *more_models) for flag in ("--model", m)]
     proc = subprocess.Popen([sys.executable, "-m", "kvfleet.cli", "up", "--engines", str(engines), *models,
-                             "--port", str(port), "--max-model-len", "256", "--kv-cache-memory", "16MiB"],
+                             "--port", str(port), "--max-model-len", "256", "--kv-cache-memory", "16MiB", *extra],
                             stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     deadline = time.monotonic() + 180

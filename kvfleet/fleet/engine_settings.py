@@ -9,6 +9,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.fleet.lora import DEFAULT_MAX_LORA_RANK
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DRAIN_S = 30  # seconds an engine (kvfleet's --drain-timeout, vLLM's --shutdown-timeout) finishes requests on SIGTERM
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
@@ -96,7 +98,7 @@ class EngineSettings:
                                       "--enable-lora")
     max_loras: int = setting(1, minimum=1, help="most distinct adapters in one batch (each holds a slot of stacked "
                                                 "weights)")
-    max_lora_rank: int = setting(16, minimum=1, help="the largest rank an adapter may have")
+    max_lora_rank: int = setting(DEFAULT_MAX_LORA_RANK, minimum=1, help="the largest rank an adapter may have")
     max_cpu_loras: int | None = setting(None, minimum=1, help="adapters kept read in host memory, least recently "
                                         "used evicted first (default: --max-loras); the rest are read again from "
                                         "their directories when needed")
