@@ -42,6 +42,15 @@ def adapter_cards(served: str, registry: LoraRegistry | None, created: int) -> l
              "parent": served} for spec in registry.names()]
 
 
+_ERROR = {"content": {"application/json": {}}}
+LORA_RESPONSES: dict = {
+    400: {**_ERROR, "description": "an adapter that cannot be served here, or LoRA off (the message says which)"},
+    401: {**_ERROR, "description": "engine token missing or wrong (only when --api-key is set)"},
+    404: {**_ERROR, "description": "no adapter of that name (unload)"},
+    503: {**_ERROR, "description": "loading or draining"},
+}
+
+
 def install_lora_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - api_server.ServerState (no cycle)
     def registry() -> LoraRegistry:
         found = state.require_engine().lora_registry
@@ -49,7 +58,7 @@ def install_lora_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - api_serv
             raise APIError(400, "this engine serves no LoRA adapters; start it with --enable-lora")
         return found
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=LORA_RESPONSES)
     async def load_lora_adapter(body: LoadLoraAdapterRequest) -> str:
         adapters = registry()
         if not adapters.runtime_loading:
@@ -62,7 +71,7 @@ def install_lora_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - api_serv
         log.info("loaded LoRA adapter %r from %s", spec.name, spec.path)
         return f"Success: LoRA adapter '{spec.name}' added successfully."
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=LORA_RESPONSES)
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> str:
         try:
             spec = registry().unregister(body.lora_name)

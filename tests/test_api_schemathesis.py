@@ -21,9 +21,11 @@ CHECKS = [st_checks.not_a_server_error, st_checks.response_schema_conformance, s
 
 
 @pytest.fixture(scope="module")
-def api_schema(tiny_model_dir: Path):
+def api_schema(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     state = ServerState(model_name="tiny")
-    state.engine = AsyncEngine(make_engine(tiny_model_dir, max_num_waiting=64), state.metrics)
+    adapters = tmp_path_factory.mktemp("allowed-adapters")  # runtime LoRA loading on: its routes run for real
+    engine = make_engine(tiny_model_dir, max_num_waiting=64, enable_lora=True, lora_allowed_dirs=[str(adapters)])
+    state.engine = AsyncEngine(engine, state.metrics)
     yield schemathesis.openapi.from_asgi("/openapi.json", build_app(state))
     state.engine.shutdown()
 
@@ -47,7 +49,8 @@ def shorten(case) -> None:
 # What routers in front ask (vLLM's and SGLang's routes: engine/vllm_compat_api.py, sglang_compat_api.py)
 PEER_ROUTES = ["GET /kv_event_sources", "GET /get_server_info", "GET /server_info", "GET /model_info",
                "GET /get_model_info", "GET /get_load", "GET /version", "POST /v1/completions/render",
-               "POST /v1/chat/completions/render", "POST /tokenize", "POST /detokenize"]
+               "POST /v1/chat/completions/render", "POST /tokenize", "POST /detokenize",
+               "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter"]
 
 
 def test_schema_lists_every_route(api_schema) -> None:
@@ -72,7 +75,8 @@ def test_generated_requests_get_no_5xx_and_valid_responses(api_schema, route: st
     check()
 
 
-@pytest.mark.parametrize("route", ["POST /v1/completions", "POST /tokenize", "POST /detokenize"])
+@pytest.mark.parametrize("route", ["POST /v1/completions", "POST /tokenize", "POST /detokenize",
+                                   "POST /v1/load_lora_adapter"])
 def test_hostile_bodies_from_the_schema_never_crash(api_schema, route: str) -> None:
     """Bodies that break the schema on purpose (schemathesis' negative mode) get 4xx, never 5xx."""
     operation = operations(api_schema)[route]
