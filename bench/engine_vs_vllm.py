@@ -89,13 +89,15 @@ def vllm_install():
     return find_vllm()
 
 
-def start_engine(kind: str, dtype: str, model: Path, log_dir: Path) -> Child:
+def start_engine(kind: str, dtype: str, model: Path, log_dir: Path, extra: list[str] | None = None) -> Child:
+    """kvfleet's engine or vLLM (kind: vllm-best or vllm-default) on a free port, ready; `extra` flags go to either
+    (the LoRA flags are the same in both)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if kind == "kvfleet":
         settings = EngineSettings(model=str(model), max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE, dtype=dtype)
         args = ["engine", *settings.to_args(), "--served-model-name", SERVED, "--host", "127.0.0.1",
-                "--port", str(port)]
+                "--port", str(port), *(extra or [])]
         child = spawn_child(kind, kvfleet_command(*args), url=url, log_dir=log_dir, env=dict(os.environ))
         child.wait_ready(lambda: get(url + "/ready") is not None, 300.0, poll_s=0.5)
         return child
@@ -109,19 +111,22 @@ def start_engine(kind: str, dtype: str, model: Path, log_dir: Path) -> Child:
     else:  # what `vllm serve` does when nothing is set but the KV space
         env = {**base, "VLLM_CPU_KVCACHE_SPACE": kv_cache_space_gib(KV_CACHE)}
     argv = [str(install.executable), "serve", str(model), "--served-model-name", SERVED, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching"]
+            "--port", str(port), "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
+            *(extra or [])]
     child = spawn_child(kind, argv, url=url, log_dir=log_dir, env=env)
     child.wait_ready(lambda: get(url + "/health") is not None, 900.0, poll_s=1.0)
     return child
 
 
 def bench_serve(url: str, model: Path, workload: str, num_prompts: int, rate: float | None, out: Path,
-                seed: int) -> dict:
-    """One `vllm bench serve` run; its saved result (throughputs, TTFT/TPOT/ITL means and percentiles)."""
+                seed: int, extra: list[str] | None = None) -> dict:
+    """One `vllm bench serve` run; its saved result (throughputs, TTFT/TPOT/ITL means and percentiles). `workload`
+    names one of WORKLOADS, or is "" with the dataset's flags in `extra`."""
     install = vllm_install()
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [str(install.executable), "bench", "serve", "--backend", "openai", "--base-url", url,
-           "--endpoint", "/v1/completions", "--model", SERVED, "--tokenizer", str(model), *WORKLOADS[workload],
+           "--endpoint", "/v1/completions", "--model", SERVED, "--tokenizer", str(model),
+           *WORKLOADS.get(workload, []), *(extra or []),
            "--num-prompts", str(num_prompts), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
            "--request-rate", "inf" if rate is None else f"{rate:.4f}", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(out.parent),

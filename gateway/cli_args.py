@@ -101,6 +101,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--weight-queue", type=float, default=d0.weights.queue)
     r.add_argument("--weight-kv", type=float, default=d0.weights.kv)
     r.add_argument("--weight-prefix", type=float, default=d0.weights.prefix)
+    r.add_argument("--weight-lora", type=float, default=d0.weights.lora,
+                   help="adapter affinity's weight, for requests that name a LoRA adapter")
     r.add_argument("--saturation-queue", type=int, default=d0.saturation.max_queue,
                    help="an engine with this many waiting is saturated")
     r.add_argument("--queue-release-depth", type=int, default=d0.saturation.release_queue, metavar="N",
@@ -177,7 +179,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         k8s_fleets=args.k8s_fleet, k8s_fleet_selector=args.k8s_fleet_selector,
         k8s_selector=args.k8s_selector, k8s_port_name=args.k8s_port_name, fleet=args.fleet,
         redis_url=args.redis_url, routing=args.routing, tokenizer=(bare_tokenizers or [None])[-1],
-        weights=ScoreWeights(args.weight_queue, args.weight_kv, args.weight_prefix),
+        weights=ScoreWeights(args.weight_queue, args.weight_kv, args.weight_prefix, args.weight_lora),
         saturation=SaturationPolicy(args.saturation_queue, args.saturation_kv, args.max_metrics_age_ms / 1000.0,
                                     args.queue_release_depth),
         scrape_interval_s=args.scrape_interval_ms / 1000.0, default_max_queue_ms=args.max_queue_ms,

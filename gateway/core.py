@@ -24,6 +24,7 @@ from kvfleet.fleet.priority import Priority, forwarded_engine_priority
 from kvfleet.gateway.admission import Action, admit, queue_refusal, shed_refusal
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.degradation import cap_output, header_value, output_cap, step_of
+from kvfleet.gateway.engines.adapters import ServedAdapters
 from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.engines.scraper import Scraper
 from kvfleet.gateway.limits.access import Tenant, TenantCharge, admit_key, authenticate, request_tenant
@@ -74,6 +75,7 @@ class Gateway:
     client: httpx.AsyncClient | None = None
     queue: FleetQueue | None = None
     scraper: Scraper | None = None
+    adapters: ServedAdapters | None = None  # which adapters each engine serves (engines with the LoRA gauge)
     router: Router | None = None
     forwarder: Forwarder | None = None
     discovery: object | None = None
@@ -118,7 +120,8 @@ class Gateway:
             self.limiter = RateLimiter(self.queue.client, c.fleet) if self.queue.client else InProcessRateLimiter()
         self.router = Router(c, self.pool, self.prefix, self.metrics)
         self.forwarder = Forwarder(c, self.client, self.router)
-        self.scraper = Scraper(self.pool, c.scrape_interval_s, on_scrape=lambda url: self.poke(),
+        self.adapters = ServedAdapters(self.pool, c.engine_api_key)
+        self.scraper = Scraper(self.pool, c.scrape_interval_s, on_scrape=self._scraped,
                                unreachable_after_s=c.engine_unreachable_after_s)
         if self.tokenize is not None and c.routing in PREFIX_STRATEGIES:  # without tokens, no index lookups
             self.kv_events = KVEventFollower(self.pool, self.prefix.index, self.metrics, c.engine_api_key)
@@ -132,6 +135,8 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.scraper:
             await self.scraper.stop()
+        if self.adapters:
+            await self.adapters.stop()
         if self.kv_events:
             await self.kv_events.stop()
         if self.in_flight:
@@ -151,6 +156,11 @@ class Gateway:
         self.scraper.sync()
         if self.kv_events:
             self.kv_events.sync()
+
+    def _scraped(self, url: str) -> None:
+        if self.adapters:
+            self.adapters.sync()  # an engine that turned out to serve adapters is asked which
+        self.poke()
 
     # ---- releasing queued requests --------------------------------------------------------------------------
     def poke(self) -> None:
@@ -221,7 +231,9 @@ class Gateway:
         self.tenant_metrics.arrived(tenant.name)
         raw = await read_body()
         body = check_body(path, raw) if parsed is None else parsed
-        hashes = self.prefix.keys(path, body) if self.config.routing in PREFIX_STRATEGIES else PromptKeys([])
+        adapter = self.adapters.adapter_of(body.get("model")) if self.adapters else None
+        hashes = (self.prefix.keys(path, body, adapter) if self.config.routing in PREFIX_STRATEGIES
+                  else PromptKeys([], adapter=adapter))
         share = TenantCharge(self.queue, priority, tenant, request_cost(body), self._run_in_background) \
             if self.config.queue_policy == "fair" else None
         settlement = await self._limit(key, body, share)

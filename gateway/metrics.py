@@ -27,6 +27,9 @@ class GatewayMetrics:
         self.degraded = Counter("kvfleet_gateway_degraded", "Requests served degraded while the fleet was saturated, "
                                 "by the ladder's step", ["priority", "step"], registry=r)
         self.routed = Counter("kvfleet_gateway_routed", "Requests sent to each engine", ["endpoint"], registry=r)
+        # adapters are named by the engines (their /v1/models), never by a client: the label set stays bounded
+        self.lora_requests = Counter("kvfleet_gateway_lora_requests", "Requests for each LoRA adapter, sent to an "
+                                     "engine", ["adapter"], registry=r)
         self.upstream_latency = Histogram("kvfleet_gateway_upstream_latency_seconds",
                                           "Time from sending to an engine to its response headers",
                                           ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvfleet.fleet.load import EngineLoad
 from kvfleet.gateway.routing.pick import EndpointSnapshot
+
+MAX_ADAPTERS_KEPT = 4096  # adapters whose latest engine the pool remembers
 
 
 @dataclass
@@ -25,6 +28,9 @@ class EndpointState:
     consecutive_failures: int = 0
     ejected_until: float = 0.0
     waits: dict[asyncio.Timeout, float] = field(default_factory=dict)  # waits on its answers -> loop time begun
+    adapters_sent: set[str] = field(default_factory=set)  # adapters of requests sent since the scrape
+    adapters_served: frozenset[str] | None = None  # the adapters its /v1/models lists (gateway/engines/adapters.py)
+    adapters_last: set[str] = field(default_factory=set)  # adapters whose latest request went here
 
 
 @dataclass
@@ -36,6 +42,8 @@ class EndpointPool:
     endpoints: dict[str, EndpointState] = field(default_factory=dict)
     # set when set_urls adds or removes an engine (whoever mirrors the membership, e.g. Envoy's EDS file, clears it)
     membership_changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
+    # each adapter's latest engine (its weights likely still read there), the oldest forgotten past MAX_ADAPTERS_KEPT
+    last_engine: OrderedDict[str, str] = field(default_factory=OrderedDict, repr=False, compare=False)
 
     def set_urls(self, urls: Iterable[str]) -> tuple[set[str], set[str]]:
         """Discovery's full set; returns (added, removed). A removed engine leaves the pool at once."""
@@ -64,6 +72,7 @@ class EndpointPool:
         state.load, state.scraped_at, state.scrape_error = load, now or time.monotonic(), None
         state.scrape_interval_s = interval_s
         state.dispatched_since_scrape = 0
+        state.adapters_sent = set()
 
     def mark_unreachable(self, url: str, error: str, silent_s: float) -> int:
         """The engine stopped answering even its /metrics: unhealthy, and each wait on it that has itself seen
@@ -96,13 +105,27 @@ class EndpointPool:
             state.dispatched_since_scrape += 1
             state.dispatch_tokens = average_tokens(state.dispatch_tokens, tokens)
 
-    def record_dispatch(self, url: str, tokens: int = 0) -> None:
-        """A request (of `tokens` prompt tokens, when known) sent to the engine."""
+    def record_dispatch(self, url: str, tokens: int = 0, adapter: str | None = None) -> None:
+        """A request (of `tokens` prompt tokens, when known; for `adapter`, if it names one) sent to the engine."""
         state = self.endpoints.get(url)
         if state is not None:
+            if adapter is not None:
+                state.adapters_sent.add(adapter)
+                self._sent_adapter(adapter, state)
             state.dispatched_since_scrape += 1
             state.dispatch_tokens = average_tokens(state.dispatch_tokens, tokens)
             state.open_requests += 1
+
+    def _sent_adapter(self, adapter: str, state: EndpointState) -> None:
+        before = self.last_engine.pop(adapter, None)
+        if before is not None and before != state.url and before in self.endpoints:
+            self.endpoints[before].adapters_last.discard(adapter)
+        self.last_engine[adapter] = state.url
+        state.adapters_last.add(adapter)
+        if len(self.last_engine) > MAX_ADAPTERS_KEPT:
+            oldest, url = self.last_engine.popitem(last=False)
+            if url in self.endpoints:
+                self.endpoints[url].adapters_last.discard(oldest)
 
     def critical_sent(self, url: str) -> Callable[[], None]:
         """A critical request sent to the engine: counted in its critical_pending until the returned call, which the
@@ -166,7 +189,9 @@ class EndpointPool:
                 prefill_tokens_pending=load.prefill_tokens_pending if load else 0,
                 prefill_rate=load.prefill_tokens_per_second if load else None,
                 in_flight_tokens=round(unseen(s) * s.dispatch_tokens),
-                slot_seconds=load.request_slot_seconds if load else None, critical_pending=s.critical_pending))
+                slot_seconds=load.request_slot_seconds if load else None, critical_pending=s.critical_pending,
+                lora=load.lora if load else None, adapters_sent=frozenset(s.adapters_sent),
+                adapters_served=s.adapters_served, adapters_last=frozenset(s.adapters_last)))
         return out
 
 

@@ -163,10 +163,15 @@ class ModelFront:
             raise APIError(400, f"{headers.ALLOW_FALLBACK} {err}", param=headers.ALLOW_FALLBACK) from None
         raw = await read_body()
         body = check_body(path, raw)
-        name = self.table.resolve(body.get("model"))
-        gateway = self._serving(name, may_fall_back)
-        served, degraded = gateway.route.name, None
-        rewritten = body.get("model") not in (None, served)  # an alias, or the fallback: the engines know one name
+        adapter_of = self._adapter_owner(body.get("model"))
+        if adapter_of is not None:  # an adapter's request goes to its base model's fleet, under its own name
+            gateway, served, degraded, rewritten = adapter_of, body["model"], None, False
+            name = gateway.route.name
+        else:
+            name = self.table.resolve(body.get("model"))
+            gateway = self._serving(name, may_fall_back)
+            served, degraded = gateway.route.name, None
+            rewritten = body.get("model") not in (None, served)  # an alias, or the fallback: engines know one name
         if rewritten:
             body["model"] = served
         if served != name:
@@ -180,6 +185,12 @@ class ModelFront:
                                                on_queue, stream_usage, parsed=body, rewritten=rewritten,
                                                degraded=degraded)
         return gateway, admitted
+
+    def _adapter_owner(self, model: object) -> Gateway | None:
+        """The fleet whose engines serve a LoRA adapter of this name (a model's own name or alias wins)."""
+        if not isinstance(model, str) or model in self.table.names:
+            return None
+        return next((g for g in self.fleets.values() if g.adapters and g.adapters.adapter_of(model)), None)
 
     def _serving(self, name: str, may_fall_back: bool) -> Gateway:
         gateway = self.fleets.get(name)
@@ -203,6 +214,10 @@ class ModelFront:
         for route, entry in zip(self.routes, entries, strict=True):
             data.append(entry)
             data.extend({**entry, "id": alias, "root": route.name} for alias in route.aliases)
+            gateway = self.fleets.get(route.name)
+            adapters = sorted(gateway.adapters.names) if gateway and gateway.adapters else []
+            data.extend({"id": name, "object": "model", "created": 0, "owned_by": "kvfleet", "parent": route.name}
+                        for name in adapters)
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
 
     async def _model_entry(self, route: ModelRoute) -> dict:

@@ -147,6 +147,11 @@ class ModelTable:
                            param="model", code="model_not_found")
         return name
 
+    @property
+    def names(self) -> frozenset[str]:
+        """Every model name and alias clients may send."""
+        return frozenset(self._names)
+
     def listing(self, limit: int = 20) -> str:
         names = sorted(self._names)
         more = f" and {len(names) - limit} more (GET /v1/models)" if len(names) > limit else ""

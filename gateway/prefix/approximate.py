@@ -18,11 +18,13 @@ class ApproximatePrefixTable:
         self.capacity = capacity
         self._owner: OrderedDict[bytes, str] = OrderedDict()
 
-    def block_hashes(self, prompt: str) -> list[bytes]:
-        """Chained hashes of the prompt's full leading blocks (a partial last block is never cached whole)."""
+    def block_hashes(self, prompt: str, adapter: str | None = None) -> list[bytes]:
+        """Chained hashes of the prompt's full leading blocks (a partial last block is never cached whole); an
+        adapter's chain starts from its name, as its blocks in an engine are its own."""
         data = prompt.encode("utf-8", errors="replace")
         n = min(len(data) // self.block_chars, self.max_blocks)
-        hashes, previous = [], b""
+        hashes = []
+        previous = b"" if adapter is None else hashlib.blake2b(b"lora\0" + adapter.encode(), digest_size=16).digest()
         for i in range(n):
             previous = hashlib.blake2b(previous + data[i * self.block_chars:(i + 1) * self.block_chars],
                                        digest_size=16).digest()

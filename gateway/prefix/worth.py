@@ -28,6 +28,7 @@ class PromptKeys:
     num_tokens: int = 0  # 0: not tokenized
     est_tokens: int = 0  # the prompt's length in tokens: num_tokens, or a guess from its characters
     precise: Mapping[int, list[bytes]] = field(default_factory=dict)  # block size -> chained token-block keys
+    adapter: str | None = None  # the LoRA adapter the request names (None: the base model)
 
 
 class RecentDispatches:
@@ -73,10 +74,14 @@ class PrefixRouting:
         """Whether any engine's prefix is known from its events (and prompts can be tokenized to look it up)."""
         return self.tokenize is not None and bool(self.index.engines())
 
-    def keys(self, path: str, body: dict) -> PromptKeys:
+    def keys(self, path: str, body: dict, adapter: str | None = None) -> PromptKeys:
+        """An adapter's request is keyed apart: its approximate chain starts from the adapter's name, and the
+        engines' events (which name only the base model's blocks) are not looked up for it."""
         text = prompt_text(body)
-        approx = self.approx.block_hashes(text)
         guess = len(text) // CHARS_PER_TOKEN + 1
+        if adapter is not None:
+            return PromptKeys(self.approx.block_hashes(text, adapter), est_tokens=guess, adapter=adapter)
+        approx = self.approx.block_hashes(text)
         if not self.precise:
             return PromptKeys(approx, est_tokens=guess)
         token_ids = self.tokenize(path, body)

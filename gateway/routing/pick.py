@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvfleet.fleet.load import LoraInfo
 from kvfleet.gateway.routing.scorers import Scorer
 
 
@@ -32,6 +33,10 @@ class EndpointSnapshot:
     slot_seconds: float | None = None  # how long a request holds one of its batch slots; None: not known
     critical_pending: int = 0  # critical requests this gateway sent that have not started there (no headers yet)
     scrape_interval_s: float = 0.0  # how often it is scraped (an engine slow to render its metrics, less often)
+    lora: LoraInfo | None = None  # its adapter cap and active adapters, when it serves adapters
+    adapters_sent: frozenset[str] = frozenset()  # adapters of this gateway's dispatches since the scrape
+    adapters_served: frozenset[str] | None = None  # the adapters its /v1/models lists (None: not read yet)
+    adapters_last: frozenset[str] = frozenset()  # adapters whose latest request this gateway sent here
 
     @property
     def queue_depth(self) -> int:
@@ -78,11 +83,12 @@ class SaturationPolicy:
 
 @dataclass(frozen=True)
 class ScoreWeights:
-    """Each signal's weight in the "kvfleet" strategy (--weight-queue, --weight-kv, --weight-prefix)."""
+    """Each signal's weight in the "kvfleet" strategy (--weight-queue, --weight-kv, --weight-prefix, --weight-lora)."""
 
     queue: float = 2.0
     kv: float = 2.0
     prefix: float = 3.0
+    lora: float = 3.0  # adapter affinity (LoraAffinity), for requests that name an adapter
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ class RoutingContext:
     must: bool = False  # released from the queue, or a retry: the least loaded healthy engine rather than none
     turn: int = 0  # this gateway's running count of decisions (round-robin rotates on it)
     num_tokens: int = 0  # the prompt's length in tokens (estimated from its characters where not tokenized)
+    adapter: str | None = None  # the LoRA adapter the request names (None: the base model)
 
 
 def available(endpoints: Sequence[EndpointSnapshot], policy: SaturationPolicy) -> list[EndpointSnapshot]:

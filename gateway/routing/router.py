@@ -31,7 +31,8 @@ class Router:
         strategy = strategy_named(c.routing, c.weights, c.saturation)
         matches = self.prefix.matches(hashes)
         snapshots = self.pool.snapshots()
-        request = RoutingContext(matches, exclude, must, turn=self._turn, num_tokens=hashes.est_tokens)
+        request = RoutingContext(matches, exclude, must, turn=self._turn, num_tokens=hashes.est_tokens,
+                                 adapter=hashes.adapter)
         chosen = pick(strategy, snapshots, request, self.rng, c.saturation if critical and c.critical_first else None)
         if chosen is None:
             return []
@@ -40,7 +41,7 @@ class Router:
         for _ in range(fallbacks):
             # turn 0: round-robin's rotation belongs to the first choices; a fallback is only used when one fails
             context = RoutingContext(matches, exclude | frozenset(urls), must=True, turn=0,
-                                     num_tokens=hashes.est_tokens)
+                                     num_tokens=hashes.est_tokens, adapter=hashes.adapter)
             fallback = pick(strategy, snapshots, context, self.rng)
             if fallback is None:
                 break
@@ -57,6 +58,8 @@ class Router:
         """The request goes to url: the prompt tokens the engine likely computes for it count on the engine until
         its next scrape, the routed metric counts it, and the prefix it sends is taken as held there (the next
         requests sharing it follow before the engine's own events say so)."""
-        self.pool.record_dispatch(url, self.prefix.uncached_tokens(hashes, url))
+        self.pool.record_dispatch(url, self.prefix.uncached_tokens(hashes, url), hashes.adapter)
         self.metrics.labelled(self.metrics.routed, url).inc()
+        if hashes.adapter is not None:
+            self.metrics.labelled(self.metrics.lora_requests, hashes.adapter).inc()
         self.prefix.record(hashes, url)

@@ -45,6 +45,31 @@ class KVHeadroom:
 
 
 @dataclass(frozen=True)
+class LoraAffinity:
+    """Where a request's adapter runs best, as the Gateway API Inference Extension's lora-affinity scorer scores it:
+    1 where the adapter is active (its requests run there, or this gateway just sent one), 0.8 where the engine has
+    a free adapter slot, 0.6 where it only waits there, 0 where the engine is full of other adapters or does not
+    serve it. One step kvfleet adds: among engines with a free slot, 0.9 for the one its latest request went to (its
+    weights likely still read there, in host memory or a slot), so an idle adapter returns where it was.
+    Requests of the base model score alike everywhere."""
+
+    def scores(self, endpoints: Sequence[EndpointSnapshot], request: RoutingContext) -> list[float]:
+        if request.adapter is None:
+            return [1.0] * len(endpoints)
+        return [self.score(e, request.adapter) for e in endpoints]
+
+    @staticmethod
+    def score(e: EndpointSnapshot, adapter: str) -> float:
+        if e.lora is None or (e.adapters_served is not None and adapter not in e.adapters_served):
+            return 0.0
+        if adapter in e.lora.running or adapter in e.adapters_sent:
+            return 1.0
+        if len(e.lora.running | e.lora.waiting | e.adapters_sent) < e.lora.max_loras:
+            return 0.9 if adapter in e.adapters_last else 0.8
+        return 0.6 if adapter in e.lora.waiting else 0.0
+
+
+@dataclass(frozen=True)
 class PrefixMatch:
     """The share of the prompt's leading blocks likely in an engine's prefix cache (gateway/prefix/approximate.py)."""
 

@@ -13,13 +13,13 @@ from kvfleet.gateway.routing.pick import (
     Strategy,
     WeightedScoring,
 )
-from kvfleet.gateway.routing.scorers import KVHeadroom, PrefixMatch, QueueRoom
+from kvfleet.gateway.routing.scorers import KVHeadroom, LoraAffinity, PrefixMatch, QueueRoom
 from kvfleet.gateway.routing.ttft import EstimatedTTFT, PrefixAffinity
 
 
 def weighted_scoring(weights: ScoreWeights, policy: SaturationPolicy) -> Strategy:
     return WeightedScoring(((weights.queue, QueueRoom(policy.max_queue)), (weights.kv, KVHeadroom()),
-                            (weights.prefix, PrefixMatch())), policy)
+                            (weights.prefix, PrefixMatch()), (weights.lora, LoraAffinity())), policy)
 
 
 STRATEGIES: dict[str, Callable[[ScoreWeights, SaturationPolicy], Strategy]] = {

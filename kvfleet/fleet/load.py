@@ -5,20 +5,33 @@ The reader of the metrics contract (kvfleet.fleet.metrics): the gateway's scrape
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvfleet.fleet.metrics import (
     DECODE_TOKENS_PER_SECOND_FULL_BATCH,
     LOAD_SIGNALS,
+    LORA_REQUESTS_INFO,
     MAX_NUM_SEQS,
     PREFILL_TOKENS_PENDING,
     PREFILL_TOKENS_PER_SECOND,
     REQUEST_SLOT_SECONDS,
+    VLLM_LORA_REQUESTS_INFO,
 )
 
 
 class MetricsParseError(ValueError):
     """The text is not Prometheus exposition format, or lacks a load signal."""
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """An engine's LoRA state from its lora_requests_info gauge: its adapter cap and the adapters of its running
+    and waiting requests."""
+
+    max_loras: int
+    running: frozenset[str] = frozenset()
+    waiting: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -31,23 +44,30 @@ class EngineLoad:
     prefill_tokens_per_second: float | None = None  # None: not exported or not measured yet
     request_slot_seconds: float | None = None  # as the previous
     decode_tokens_per_second_full_batch: float | None = None  # as the previous
+    lora: LoraInfo | None = None  # None: the engine serves no adapters (or does not say)
 
 
 # What the gateway asks for: /metrics?name[]=... (kvfleet engines filter on it, so they render a few lines instead of
 # every histogram; vLLM 0.32 ignores it and renders everything, so the scraper slows down for it: scraper.py).
 WANTED = (*(n for names in LOAD_SIGNALS.values() for n in names), MAX_NUM_SEQS, PREFILL_TOKENS_PENDING,
-          PREFILL_TOKENS_PER_SECOND, REQUEST_SLOT_SECONDS, DECODE_TOKENS_PER_SECOND_FULL_BATCH)
+          PREFILL_TOKENS_PER_SECOND, REQUEST_SLOT_SECONDS, DECODE_TOKENS_PER_SECOND_FULL_BATCH, LORA_REQUESTS_INFO,
+          VLLM_LORA_REQUESTS_INFO)
+LORA_INFO = (LORA_REQUESTS_INFO, VLLM_LORA_REQUESTS_INFO)
 METRICS_QUERY = "&".join(f"name[]={n}" for n in WANTED)
 
 
 MAX_VALUE = 1e12  # beyond any real queue, token count or rate
+MAX_ADAPTERS_LISTED = 1024  # adapter names read from one label; an engine listing more is not believed
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-def _sample_values(text: str) -> tuple[dict[str, float], dict[str, int]]:
-    """Sums of the wanted samples by name, and how many label sets each summed, from plain exposition lines (name,
-    optional labels, value)."""
+def _sample_values(text: str) -> tuple[dict[str, float], dict[str, int], str | None]:
+    """Sums of the wanted samples by name, how many label sets each summed, and the labels of the newest LoRA info
+    sample (its value is the time it was set: vLLM keeps every label set it ever had), from plain exposition lines
+    (name, optional labels, value)."""
     found: dict[str, float] = {}
     series: dict[str, int] = {}
+    lora_labels, lora_time = None, -1.0
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -65,17 +85,39 @@ def _sample_values(text: str) -> tuple[dict[str, float], dict[str, int]]:
             value = float(fields[0])
         except ValueError:
             raise MetricsParseError(f"cannot read the value on the line {line[:80]!r}") from None
+        if name in LORA_INFO:
+            if value == value and value > lora_time and brace >= 0:  # not NaN
+                lora_labels, lora_time = line[brace + 1:line.rfind("}")], value
+            continue
         if not 0.0 <= value <= MAX_VALUE:  # NaN, infinities, negatives: no count or rate is any of them
             raise MetricsParseError(f"the value on the line {line[:80]!r} is not a count in [0, {MAX_VALUE:.0e}]")
         found[name] = found.get(name, 0.0) + value
         series[name] = series.get(name, 0) + 1
-    return found, series
+    return found, series, lora_labels
+
+
+def parse_lora_info(labels: str) -> LoraInfo:
+    """The LoRA state in a lora_requests_info sample's labels (max_lora, running_lora_adapters and
+    waiting_lora_adapters, comma-joined); MetricsParseError for labels no engine would write."""
+    values = {k: v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+              for k, v in _LABEL.findall(labels)}
+    try:
+        max_loras = int(values.get("max_lora", ""))
+    except ValueError:
+        raise MetricsParseError("lora_requests_info has no whole-number max_lora label") from None
+    adapters = {}
+    for key in ("running_lora_adapters", "waiting_lora_adapters"):
+        names = [n for n in values.get(key, "").split(",") if n]
+        if len(names) > MAX_ADAPTERS_LISTED or not 0 < max_loras <= MAX_ADAPTERS_LISTED:
+            raise MetricsParseError(f"lora_requests_info lists more than {MAX_ADAPTERS_LISTED} adapters")
+        adapters[key] = frozenset(names)
+    return LoraInfo(max_loras, adapters["running_lora_adapters"], adapters["waiting_lora_adapters"])
 
 
 def parse_engine_load(text: str) -> EngineLoad:
     """The three load signals: requests summed over label sets (vLLM labels its gauges by model name, and a
     data-parallel pod by engine rank), KV usage averaged over them (each rank has its own cache of the same size)."""
-    found, series = _sample_values(text)
+    found, series, lora_labels = _sample_values(text)
     values = {}
     for signal, names in LOAD_SIGNALS.items():
         name = next((n for n in names if n in found), None)
@@ -87,4 +129,5 @@ def parse_engine_load(text: str) -> EngineLoad:
     return EngineLoad(min(max(values["kv_cache_usage"], 0.0), 1.0), int(values["num_waiting"]),
                       int(values["num_running"]), capacity, max(0, int(found.get(PREFILL_TOKENS_PENDING, 0))),
                       rate or None, found.get(REQUEST_SLOT_SECONDS, 0.0) or None,
-                      found.get(DECODE_TOKENS_PER_SECOND_FULL_BATCH, 0.0) or None)
+                      found.get(DECODE_TOKENS_PER_SECOND_FULL_BATCH, 0.0) or None,
+                      None if lora_labels is None else parse_lora_info(lora_labels))
