@@ -65,6 +65,8 @@ class EngineStats:
     max_loras: int = 0  # 0: LoRA off
     running_lora_adapters: tuple[str, ...] = ()  # the adapters of running and of waiting requests, by name
     waiting_lora_adapters: tuple[str, ...] = ()
+    lora_adapter_reads: int = 0
+    lora_slot_loads: int = 0
 
 
 class LLMEngine:
@@ -416,7 +418,8 @@ class LLMEngine:
         running = {seq.lora.name for seq in self.scheduler.running if seq.lora is not None}
         waiting = {seq.lora.name for seq in self.scheduler.waiting if seq.lora is not None}
         return {"max_loras": self.config.max_loras, "running_lora_adapters": tuple(sorted(running)),
-                "waiting_lora_adapters": tuple(sorted(waiting))}
+                "waiting_lora_adapters": tuple(sorted(waiting)), "lora_adapter_reads": self.lora_registry.loads,
+                "lora_slot_loads": self.lora_slots.loads}
 
     # --- offline use --------------------------------------------------------------------------
 

@@ -69,6 +69,10 @@ class _StatsCollector(Collector):
             info.add_metric([str(stats.max_loras), ",".join(stats.running_lora_adapters),
                              ",".join(stats.waiting_lora_adapters)], time.time())
             yield info
+            yield CounterMetricFamily(names.LORA_ADAPTER_READS, "LoRA adapters read from disk (at registration, or "
+                                      "again after eviction from host memory)", value=stats.lora_adapter_reads)
+            yield CounterMetricFamily(names.LORA_SLOT_LOADS, "LoRA adapters copied into a slot of the batch's stacked "
+                                      "weights", value=stats.lora_slot_loads)
 
 
 class EngineMetrics:

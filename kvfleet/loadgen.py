@@ -85,6 +85,8 @@ class LoadSpec:
     seed: int = 0
     ignore_eos: bool = False
     allow_fallback: bool = False  # x-kvfleet-allow-fallback: true (the degradation ladder's second rung)
+    models: tuple[str, ...] = ()  # each request asks for one of these (e.g. LoRA adapters); () : `model` for all
+    model_zipf: float = 0.0  # their popularity: 0 uniform, s > 0 the i-th most popular weighted 1 / i**s
 
     def __post_init__(self) -> None:
         self.url = self.url.strip().rstrip("/")
@@ -105,6 +107,8 @@ class LoadSpec:
             raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, not {self.endpoint!r}")
         if self.max_queue_ms is not None and self.max_queue_ms <= 0:
             raise ValueError(f"--max-queue-ms must be a positive number of milliseconds, not {self.max_queue_ms}")
+        if not 0.0 <= self.model_zipf <= 10.0:
+            raise ValueError(f"model_zipf must be in [0, 10], not {self.model_zipf}")
         if not self.timeout > 0:
             raise ValueError(f"--timeout must be a positive number of seconds, not {self.timeout}")
 
@@ -143,6 +147,7 @@ class PlannedRequest:
     priority: str
     prompt: str
     send_at: float
+    model: str | None = None  # one of LoadSpec.models (None: the run's model)
 
 
 def plan_requests(spec: LoadSpec) -> list[PlannedRequest]:
@@ -151,7 +156,12 @@ def plan_requests(spec: LoadSpec) -> list[PlannedRequest]:
     times = arrival_times(spec.num_requests, spec.rate, rng)
     classes = assign_priorities(spec.num_requests, spec.priority_mix, rng)
     prompts = make_prompts(spec.num_requests, spec.prompt_words, spec.shared_prefix, rng)
-    return [PlannedRequest(i, c, p, t) for i, (t, c, p) in enumerate(zip(times, classes, prompts, strict=True))]
+    planned = [PlannedRequest(i, c, p, t) for i, (t, c, p) in enumerate(zip(times, classes, prompts, strict=True))]
+    if spec.models:
+        weights = [1.0 / (i + 1) ** spec.model_zipf for i in range(len(spec.models))]
+        for req, model in zip(planned, rng.choices(spec.models, weights=weights, k=len(planned)), strict=True):
+            req.model = model
+    return planned
 
 
 @dataclass
@@ -244,7 +254,8 @@ def sse_data(line: str) -> str | None:
 async def _stream(client: httpx.AsyncClient, spec: LoadSpec, model: str, req: PlannedRequest,
                   record: RequestRecord, started: float) -> None:
     """Send one request and fill `record` as its response streams in."""
-    async with client.stream("POST", spec.url + ENDPOINTS[spec.endpoint], json=_body(spec, model, req.prompt),
+    body = _body(spec, req.model or model, req.prompt)
+    async with client.stream("POST", spec.url + ENDPOINTS[spec.endpoint], json=body,
                              headers=_headers(spec, req.priority)) as response:
         record.status = response.status_code
         record.engine = response.headers.get(fleet_headers.ENGINE)

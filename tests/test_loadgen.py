@@ -151,3 +151,15 @@ def test_unreachable_url_exits_non_zero_with_one_clear_line(tmp_path) -> None:
     assert line.startswith(f"kvfleet bench: cannot reach {url} (")
     assert line.endswith("); is the gateway or engine running there?")
     assert not list(tmp_path.iterdir())
+
+
+def test_each_request_asks_for_one_of_the_models_uniformly_or_skewed() -> None:
+    from kvfleet.loadgen import LoadSpec, plan_requests
+
+    models = tuple(f"adapter-{i}" for i in range(8))
+    uniform = plan_requests(LoadSpec(url="http://x", num_requests=4000, models=models))
+    counts = {m: sum(r.model == m for r in uniform) for m in models}
+    assert set(counts) == set(models) and min(counts.values()) > 400  # ~500 each
+    skewed = plan_requests(LoadSpec(url="http://x", num_requests=4000, models=models, model_zipf=1.5))
+    assert sum(r.model == "adapter-0" for r in skewed) > 5 * sum(r.model == "adapter-7" for r in skewed)
+    assert all(r.model is None for r in plan_requests(LoadSpec(url="http://x", num_requests=10)))

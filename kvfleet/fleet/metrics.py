@@ -61,6 +61,8 @@ STARTUP_PHASES = ("imports", "tokenizer", "weights", "kv_cache", "warmup", "tota
 LORA_REQUESTS_INFO = "kvfleet_lora_requests_info"
 VLLM_LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+LORA_ADAPTER_READS = "kvfleet_lora_adapter_reads"  # adapters read from disk (registered, or read again after eviction)
+LORA_SLOT_LOADS = "kvfleet_lora_slot_loads"  # adapters copied into a slot of the batch's stacked weights
 
 # Histograms.
 TIME_TO_FIRST_TOKEN = "kvfleet_time_to_first_token_seconds"
