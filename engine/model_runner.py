@@ -57,8 +57,9 @@ class ModelRunner:
         return batch.sample_sequences, logits
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> BatchInputs:
-        # Decode sequences sorted by length, so that each attention group pads only to similar lengths.
-        decodes = sorted(((seq, n) for seq, n in scheduled if n == 1), key=lambda item: len(item[0].block_table))
+        # Decode sequences sorted by length, so that each attention group pads only to similar lengths; with adapters,
+        # by adapter slot first, so that each adapter's decode tokens are one run (kernels/lora.py works on views).
+        decodes = sorted(((seq, n) for seq, n in scheduled if n == 1), key=self._decode_order)
         prefills = [(seq, n) for seq, n in scheduled if n != 1]
         ordered = decodes + prefills
         input_ids: list[int] = []
@@ -89,6 +90,11 @@ class ModelRunner:
         )
         return BatchInputs(self._tensor(input_ids), self._tensor(positions), meta,
                            self._tensor(logits_indices), sample_sequences)
+
+    def _decode_order(self, item: tuple[Sequence, int]) -> tuple[int, int]:
+        seq = item[0]
+        slot = None if self.lora is None or seq.lora is None else self.lora.slot_of(seq.lora.id)
+        return -1 if slot is None else slot, len(seq.block_table)
 
     def _token_slots(self, ordered: list[tuple[Sequence, int]]) -> list[int]:
         """Each token's adapter slot, in the batch's token order (-1: the base model)."""

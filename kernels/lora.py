@@ -2,10 +2,11 @@
 token's own adapter's update added to its row, `y[t] += (x[t] @ A[s].T) @ B[s].T` for the adapter slot `s = slots[t]`
 (-1: the base model, no update). B is stored with the adapter's scaling folded in, as vLLM stores it.
 
-`plan_lora` sorts a step's tokens by slot once (every layer reuses the plan); `lora_update` then runs one pair of
-GEMMs per adapter in the step over its run of tokens (vLLM's sgmv shrink and expand, vllm/lora/ops/torch_ops), so a
-step with k adapters costs 2k small GEMMs per layer, not two per token. When the step's tokens are already in slot
-order (one adapter, or the batch was formed that way) they are views, with no gather or scatter.
+`plan_lora` groups a step's tokens by slot once (every layer reuses the plan); `lora_update` then runs one pair of
+GEMMs per run of an adapter's tokens (vLLM's sgmv shrink and expand, vllm/lora/ops/torch_ops), so a step with k
+adapters costs about 2k small GEMMs per layer, not two per token. Where each adapter's tokens already lie in a few
+runs (the model runner orders a step's decodes by slot) the GEMMs work on views of x and y, with no gather or
+scatter; otherwise the tokens are gathered in slot order and their updates scattered back.
 `lora_update_reference` is the plain per-token loop it must equal.
 """
 
@@ -18,8 +19,8 @@ import torch
 
 @dataclass(frozen=True)
 class LoraPlan:
-    """A step's tokens grouped by adapter slot: `rows` lists the token rows in slot order (None: every row, in
-    order), and each segment (slot, start, end) is one adapter's run of them."""
+    """A step's tokens grouped by adapter slot: `rows` lists the token rows in slot order, each segment (slot, start,
+    end) one adapter's run of them; or rows is None and the segments are runs of the step's own rows."""
 
     rows: torch.Tensor | None
     segments: tuple[tuple[int, int, int], ...]
@@ -27,18 +28,24 @@ class LoraPlan:
 
 def plan_lora(slots: list[int], device: torch.device | str = "cpu") -> LoraPlan | None:
     """The plan for tokens whose adapter slots are `slots` (-1: the base model); None when no token has one."""
-    order = sorted((i for i, slot in enumerate(slots) if slot >= 0), key=slots.__getitem__)
-    if not order:
+    runs = [(slot, start, end) for slot, start, end in _runs(slots) if slot >= 0]
+    if not runs:
         return None
-    segments: list[tuple[int, int, int]] = []
-    start = 0
-    for i in range(1, len(order) + 1):
-        if i == len(order) or slots[order[i]] != slots[order[start]]:
-            segments.append((slots[order[start]], start, i))
+    if len(runs) <= 2 * len({slot for slot, _, _ in runs}):  # few runs: views of the rows themselves
+        return LoraPlan(None, tuple(runs))
+    order = sorted((i for i, slot in enumerate(slots) if slot >= 0), key=slots.__getitem__)
+    ordered = [slots[i] for i in order]
+    return LoraPlan(torch.tensor(order, dtype=torch.long, device=device), tuple(_runs(ordered)))
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of equal slots: (slot, start, end)."""
+    runs, start = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[start]:
+            runs.append((slots[start], start, i))
             start = i
-    in_order = len(order) == len(slots) and all(i == row for i, row in enumerate(order))
-    rows = None if in_order else torch.tensor(order, dtype=torch.long, device=device)
-    return LoraPlan(rows, tuple(segments))
+    return runs
 
 
 def lora_update(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: LoraPlan) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfleet.kernels.lora import lora_update, lora_update_reference, plan_lora
+from kvfleet.kernels.lora import LoraPlan, lora_update, lora_update_reference, plan_lora
 
 
 def adapters(slots: int, rank: int, d_in: int, d_out: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -19,8 +19,10 @@ def adapters(slots: int, rank: int, d_in: int, d_out: int, dtype: torch.dtype) -
 @pytest.mark.parametrize("slots", [
     [0, 0, 0, 0],  # one adapter: views, no gather
     [0, 0, 1, 1, 1, 3],  # already in slot order
-    [2, -1, 0, 2, 1, -1, 0, 2],  # a mix, interleaved, as a step's decode rows are
+    [2, -1, 0, 2, 1, -1, 0, 2],  # a mix, interleaved
+    [2, 0, 2, 0, 2, 0, -1, 1],  # scattered: gathered
     [-1, -1, 1, 1],  # the base model's tokens first
+    [-1, 0, 0, 2, 2, 0],  # in runs, with a prefill of adapter 0 after the decodes
     [3],  # one token (a decode of one sequence)
 ])
 def test_each_token_gets_its_own_adapters_update(slots: list[int], dtype: torch.dtype) -> None:
@@ -44,10 +46,12 @@ def test_a_step_of_the_base_model_alone_has_no_plan() -> None:
 
 
 def test_the_plan_groups_each_adapters_tokens_once() -> None:
-    plan = plan_lora([2, -1, 0, 2, 1, -1, 0, 2])
-    assert plan.rows.tolist() == [2, 6, 4, 0, 3, 7]
-    assert plan.segments == ((0, 0, 2), (1, 2, 3), (2, 3, 6))
-    assert plan_lora([1, 1, 4]).rows is None  # in order already: the kernel works on views
+    plan = plan_lora([2, 0, 2, 0, 2, 0, -1, 1])  # scattered: gathered in slot order
+    assert plan.rows.tolist() == [1, 3, 5, 7, 0, 2, 4]
+    assert plan.segments == ((0, 0, 3), (1, 3, 4), (2, 4, 7))
+    # in runs already (the runner orders decodes by slot): the kernel works on views of the rows, base rows skipped
+    assert plan_lora([1, 1, 4]) == LoraPlan(None, ((1, 0, 2), (4, 2, 3)))
+    assert plan_lora([-1, -1, 0, 0, 3, 3, 3, 0]) == LoraPlan(None, ((0, 2, 4), (3, 4, 7), (0, 7, 8)))
 
 
 def test_an_adapter_of_lower_rank_in_a_wider_slot_equals_its_own_update() -> None:
