@@ -428,6 +428,8 @@ class LLMEngine:
         """Run prompts to completion (vLLM's LLM.generate); returns the final output of each, in order. loras: each
         prompt's adapter by name (None: the base model)."""
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if any(loras or ()) and self.lora_registry is None:
+            raise RequestError("this engine serves no LoRA adapters (start it with --enable-lora)")
         specs = [None if name is None else self.lora_registry.get(name) for name in loras or [None] * len(prompts)]
         ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
         for request_id, prompt, p, spec in zip(ids, prompts, params_list, specs, strict=True):
