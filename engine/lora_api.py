@@ -39,7 +39,7 @@ def adapter_cards(served: str, registry: LoraRegistry | None, created: int) -> l
     if registry is None:
         return []
     return [{"id": spec.name, "object": "model", "created": created, "owned_by": "kvfleet", "root": str(spec.path),
-             "parent": served} for spec in registry.names()]
+             "parent": served, **({"pinned": True} if registry.pinned(spec) else {})} for spec in registry.names()]
 
 
 _ERROR = {"content": {"application/json": {}}}
@@ -65,10 +65,11 @@ def install_lora_routes(app: FastAPI, state) -> None:  # noqa: ANN001 - api_serv
             raise APIError(400, "loading adapters at run time is off: start the engine with --lora-allowed-dirs "
                            "naming the directories adapters may be loaded from", param="lora_path")
         try:
-            spec = await asyncio.to_thread(adapters.register, body.lora_name, body.lora_path, check_allowed=True)
+            spec = await asyncio.to_thread(adapters.register, body.lora_name, body.lora_path, check_allowed=True,
+                                           pinned=body.pinned)
         except AdapterError as err:
             raise APIError(400, str(err), param="lora_path") from None
-        log.info("loaded LoRA adapter %r from %s", spec.name, spec.path)
+        log.info("loaded LoRA adapter %r from %s%s", spec.name, spec.path, " (pinned)" if body.pinned else "")
         return f"Success: LoRA adapter '{spec.name}' added successfully."
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=LORA_RESPONSES)

@@ -12,7 +12,6 @@ The API server's threads register and look up; the engine thread reads adapters:
 from __future__ import annotations
 
 import itertools
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -20,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet.engine.lora_adapter import AdapterError, LoraAdapter
+from kvfleet.fleet.lora import ADAPTER_NAME_RULE, valid_adapter_name
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")  # what a model name in a request may be
 MAX_ADAPTERS = 1024  # names registered at once: a load storm is refused past it, not kept in memory
 
 
@@ -39,9 +38,8 @@ class LoraSpec:
 
 
 def check_name(name: object) -> str:
-    if not isinstance(name, str) or not NAME.match(name):
-        raise AdapterError("an adapter's name is 1-128 letters, digits and . _ : / - (starting with a letter or "
-                           f"digit), not {name!r}")
+    if not valid_adapter_name(name):
+        raise AdapterError(f"an adapter's name is {ADAPTER_NAME_RULE}, not {name!r:.200}")
     return name
 
 
@@ -61,6 +59,7 @@ class LoraRegistry:
         self._specs: dict[str, LoraSpec] = {}
         self._host: OrderedDict[int, LoraAdapter] = OrderedDict()  # by LoraSpec.id, least recently used first
         self._ids = itertools.count(1)
+        self._pinned: set[int] = set()  # ids whose weights are never evicted from host memory
         self._lock = threading.Lock()
         self.loads = 0  # adapters read from disk (a registration or a read after eviction)
 
@@ -83,9 +82,10 @@ class LoraRegistry:
         with self._lock:
             return self._specs.get(name)
 
-    def register(self, name: str, path: str | Path, *, check_allowed: bool) -> LoraSpec:
+    def register(self, name: str, path: str | Path, *, check_allowed: bool, pinned: bool = False) -> LoraSpec:
         """Read and check the adapter, then answer to its name; AdapterError (nothing kept) if it does not fit.
         check_allowed: the path must lie under --lora-allowed-dirs (a client named it; the command line is trusted).
+        pinned: its weights stay in host memory, never evicted (at most --max-cpu-loras adapters are pinned).
         """
         if name in self.reserved_names:
             raise AdapterError(f"{name!r} is the base model's name; give the adapter another")
@@ -100,16 +100,26 @@ class LoraRegistry:
                                    "name")
             if len(self._specs) >= MAX_ADAPTERS:
                 raise AdapterError(f"{MAX_ADAPTERS} adapters are loaded already; unload one first")
+            self._check_pin(pinned)
         adapter = self._read(name, directory)  # outside the lock: reading takes milliseconds to seconds
         with self._lock:
             if name in self._specs:  # another load of the same name finished first
                 raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first or use another "
                                    "name")
+            self._check_pin(pinned)
             spec = LoraSpec(name, directory, next(self._ids))
             self._specs[name] = spec
             self.loads += 1
+            if pinned:
+                self._pinned.add(spec.id)
             self._keep(spec.id, adapter)
         return spec
+
+    def _check_pin(self, pinned: bool) -> None:
+        if pinned and len(self._pinned) >= self.max_cpu_loras:
+            raise AdapterError(f"{len(self._pinned)} adapters are pinned already, as many as --max-cpu-loras "
+                               f"({self.max_cpu_loras}) keeps in host memory; load this one unpinned, unload a "
+                               "pinned one, or raise --max-cpu-loras")
 
     def unregister(self, name: str) -> LoraSpec:
         with self._lock:
@@ -117,7 +127,12 @@ class LoraRegistry:
             if spec is None:
                 raise LoraNotFoundError(name)
             self._host.pop(spec.id, None)
+            self._pinned.discard(spec.id)
         return spec
+
+    def pinned(self, spec: LoraSpec) -> bool:
+        with self._lock:
+            return spec.id in self._pinned
 
     def adapter(self, spec: LoraSpec) -> LoraAdapter:
         """The adapter's weights: from host memory, or read again from its directory (AdapterError if that fails:
@@ -135,10 +150,14 @@ class LoraRegistry:
         return adapter
 
     def _keep(self, spec_id: int, adapter: LoraAdapter) -> None:
+        """Keep the adapter read, evicting the least recently used unpinned ones past --max-cpu-loras (the one
+        just read too, when every other is pinned)."""
         self._host[spec_id] = adapter
         self._host.move_to_end(spec_id)
-        while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
+        over = len(self._host) - self.max_cpu_loras
+        if over > 0:
+            for old in [k for k in self._host if k not in self._pinned][:over]:
+                del self._host[old]
 
     @property
     def num_in_host_memory(self) -> int:

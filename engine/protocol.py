@@ -88,6 +88,8 @@ class LoadLoraAdapterRequest(BaseModel):
 
     lora_name: StrictStr = Field(max_length=256)
     lora_path: StrictStr = Field(max_length=4096)
+    # kvfleet's: keep its weights in host memory, never evicted (the operator pins an InferenceFleet's pinned ones)
+    pinned: StrictBool = False
 
 
 class UnloadLoraAdapterRequest(BaseModel):

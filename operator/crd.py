@@ -26,6 +26,7 @@ from kvfleet.operator.fleet_spec import (
     PLURAL,
     VERSION,
 )
+from kvfleet.operator.lora_spec import RANK_RULE, STORE_RULE, lora_schemas
 
 
 def _open_bound(rule: str, message: str) -> dict:
@@ -85,7 +86,9 @@ def slo_classes_schema() -> dict:
 SPEC_SCHEMA = {
     "type": "object",
     "required": ["model"],
+    "x-kubernetes-validations": [RANK_RULE, STORE_RULE],
     "properties": {
+        **lora_schemas(),
         "model": {"type": "string", "minLength": 1,
                   "description": "smollm2-135m-instruct, or a model directory inside the image; with runtime vllm, "
                                  "what `vllm serve` takes (a Hugging Face id or a path)"},
@@ -188,6 +191,12 @@ STATUS_SCHEMA = {
                 "ttftSeconds": {"type": "number"}, "tpotSeconds": {"type": "number"}, "target": {"type": "number"},
                 "attained": {"type": "number", "nullable": True}, "requests": {"type": "integer"},
                 "shed": {"type": "integer"}, "windowSeconds": {"type": "number"}}} for p in Priority}},
+        "loraAdapters": {"type": "array", "description": "each of spec.loraAdapters: the ready pods that serve it, "
+                                                      "and the engine's answer when a load failed",
+                         "items": {"type": "object", "properties": {
+                             "name": {"type": "string"}, "pods": {"type": "array", "items": {"type": "string"}},
+                             "error": {"type": "string"}}}},
+        "loraAdaptersReady": {"type": "string", "description": "adapters every ready pod serves / spec.loraAdapters"},
         "coldStartSeconds": {"type": "number", "description": f"measured pod creation to Ready: the "
                                                               f"{PERCENTILE:.0%} percentile of the fleet's last "
                                                               f"{KEEP} starts (status.coldStart)"},
@@ -222,6 +231,8 @@ def build_crd() -> dict:
                     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
                     {"name": "KV%", "type": "integer", "jsonPath": ".status.kvCachePercent"},
                     {"name": "Queued", "type": "integer", "jsonPath": ".status.gatewayQueued"},
+                    {"name": "Adapters", "type": "string", "jsonPath": ".status.loraAdaptersReady",
+                     "description": "LoRA adapters every ready pod serves / the spec's"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ],
             }],

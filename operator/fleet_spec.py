@@ -31,6 +31,7 @@ from kvfleet.operator.fleet_fields import (
     FleetField,
     spec_default,
 )
+from kvfleet.operator.lora_spec import FleetLora, InvalidLoraSpec, parse_lora
 from kvfleet.operator.planner import Capacity
 
 __all__ = ["DEFAULT_IMAGE", "ENGINE_API_KEY_ENV", "ENGINE_PORT", "FleetEngineSettings", "FleetSpec", "InvalidSpec",
@@ -57,10 +58,10 @@ class FleetEngineSettings:
     gpu_memory_utilization: float | None = fleet_default("gpu_memory_utilization")
     extra_args: tuple[str, ...] = ()
 
-    def to_args(self) -> list[str]:
-        """The `kvfleet engine` flags of these settings, extra flags last."""
+    def to_args(self, more: list[str] | tuple[str, ...] = ()) -> list[str]:
+        """The `kvfleet engine` flags of these settings, then `more` (the fleet's LoRA flags), extra flags last."""
         settings = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra_args"}
-        return [*engine_args(settings), *self.extra_args]
+        return [*engine_args(settings), *more, *self.extra_args]
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class FleetSpec:
     # A Secret in the fleet's namespace whose `api_key_secret_key` the engines require as a bearer token.
     api_key_secret: str | None = None
     api_key_secret_key: str = ENGINE_API_KEY_SECRET_KEY
+    lora: FleetLora | None = None  # spec.lora and spec.loraAdapters (operator/lora_spec.py)
 
     @property
     def gpu(self) -> bool:
@@ -271,10 +273,14 @@ def parse_fleet(name: str, namespace: str, spec: dict[str, Any], default_api_key
                           "remove kvCacheMemory and set engine.gpuMemoryUtilization (e.g. 0.9)")
     if runtime == "vllm":
         settings = _vllm_block_size(settings, "blockSize" in _section(spec, "engine"), _has_gpu(resources))
+    try:
+        lora = parse_lora(spec, runtime, (model.strip(),))
+    except InvalidLoraSpec as err:
+        raise InvalidSpec(str(err)) from None
     return FleetSpec(
         name=name, namespace=namespace, model=model.strip(), image=spec.get("image") or RUNTIMES[runtime],
         runtime=runtime,
         image_pull_policy=spec.get("imagePullPolicy") or "IfNotPresent", engine=settings, resources=resources,
         autoscaling_enabled=_read(auto, AUTOSCALING_ENABLED, "spec.autoscaling"), autoscaling=policy,
-        api_key_secret=api_key_secret, api_key_secret_key=api_key_secret_key,
+        api_key_secret=api_key_secret, api_key_secret_key=api_key_secret_key, lora=lora,
         **{f.attr: _read(spec, f, "spec") for f in SPEC_FIELDS})

@@ -22,6 +22,7 @@ from kvfleet.operator import metrics
 from kvfleet.operator.autoscaler import AutoscalerState, Decision, Observation, recommend
 from kvfleet.operator.cold_start import add_starts, cold_start_figure, cold_start_status, saved_samples
 from kvfleet.operator.fleet_spec import GROUP, PLURAL, VERSION, FleetSpec, InvalidSpec, parse_fleet
+from kvfleet.operator.lora_sync import lora_status, sync_fleet
 from kvfleet.operator.manifests import (
     FIELD_MANAGER,
     build_deployment,
@@ -142,11 +143,16 @@ class FleetHandlers:
     async def autoscale(self, spec: kopf.Spec, name: str, namespace: str, body: kopf.Body, status: kopf.Status,
                         patch: kopf.Patch, **_: Any) -> None:
         try:
-            fleet = parse_fleet(name, namespace, dict(spec))
+            fleet = parse_fleet(name, namespace, dict(spec), self.config.engine_api_key_secret)
         except InvalidSpec:
             return
         pods, queued, counts, pod_objects = await observe_fleet(fleet, self.config.redis_url,
                                                                 self.config.scrape_timeout_s)
+        if fleet.lora is not None:
+            synced = await sync_fleet(fleet, pod_objects, self.config.scrape_timeout_s)
+            patch.status.update(lora_status(fleet.lora, synced))
+        elif status.get("loraAdapters") is not None:
+            patch.status.update({"loraAdapters": None, "loraAdaptersReady": None})
         now = time.time()  # wall-clock time: the windows in the status must mean the same to the next process
         patch.status.update(counts)
         starts = add_starts(saved_samples(status.get("coldStart")), pod_objects)

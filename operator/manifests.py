@@ -57,7 +57,8 @@ def build_engine_container(fleet: FleetSpec) -> dict:
         "imagePullPolicy": fleet.image_pull_policy,
         "command": ["kvfleet"],
         "args": ["engine", "--model", fleet.model, "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
-                 *fleet.engine.to_args(), "--served-model-name", fleet.model,
+                 *fleet.engine.to_args(fleet.lora.engine_args(fleet.runtime) if fleet.lora else ()),
+                 "--served-model-name", fleet.model,
                  "--drain-timeout", str(fleet.drain_seconds)],
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": resources,
@@ -70,7 +71,7 @@ def build_engine_container(fleet: FleetSpec) -> dict:
         "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}},
         "env": build_engine_env(fleet),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *(fleet.lora.mounts() if fleet.lora else [])],
     }
     return vllm_container(fleet, container) if fleet.runtime == "vllm" else container
 
@@ -82,7 +83,8 @@ def build_deployment(fleet: FleetSpec, replicas: int) -> dict:
         "terminationGracePeriodSeconds": fleet.drain_seconds + 15,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000,
                             "seccompProfile": {"type": "RuntimeDefault"}},
-        "volumes": [{"name": "tmp", "emptyDir": {}}, *(vllm_volumes() if fleet.runtime == "vllm" else [])],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *(vllm_volumes() if fleet.runtime == "vllm" else []),
+                    *(fleet.lora.volumes() if fleet.lora else [])],
     }
     if fleet.gpu:
         pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]

@@ -21,6 +21,7 @@ from kvfleet.fleet.vllm_serve import (
     serve_args,
 )
 from kvfleet.operator.fleet_spec import ENGINE_PORT, FleetSpec
+from kvfleet.operator.lora_spec import VLLM_RUNTIME_LORA_ENV
 
 STARTUP_PERIOD_S, STARTUP_FAILURES = 10, 180  # 30 minutes: large models download and load slowly
 
@@ -30,7 +31,7 @@ def vllm_args(fleet: FleetSpec) -> list[str]:
     return serve_args(fleet.model, fleet.model, ENGINE_PORT, max_model_len=engine.max_model_len,
                       max_num_seqs=engine.max_num_seqs, block_size=engine.block_size,
                       gpu_memory_utilization=engine.gpu_memory_utilization, drain_s=fleet.drain_seconds,
-                      extra=engine.extra_args)
+                      extra=(*(fleet.lora.engine_args("vllm") if fleet.lora else ()), *engine.extra_args))
 
 
 def vllm_env(fleet: FleetSpec) -> list[dict]:
@@ -40,6 +41,8 @@ def vllm_env(fleet: FleetSpec) -> list[dict]:
     if fleet.api_key_secret:
         env.append({"name": VLLM_API_KEY_ENV, "valueFrom": {"secretKeyRef": {
             "name": fleet.api_key_secret, "key": fleet.api_key_secret_key}}})
+    if fleet.lora:  # the operator loads the fleet's adapters through vLLM's runtime API
+        env.append({"name": VLLM_RUNTIME_LORA_ENV, "value": "True"})
     if fleet.engine.kv_cache_memory is not None and not fleet.gpu:
         env.append({"name": VLLM_KV_CACHE_SPACE_ENV, "value": kv_cache_space_gib(fleet.engine.kv_cache_memory)})
     return env

@@ -136,6 +136,7 @@ def test_an_adapter_loaded_at_run_time_answers_and_unloaded_is_gone(engine: str,
     (lambda d: {"lora_name": "x"}, "lora_path"),
     (lambda d: {"lora_name": 7, "lora_path": str(d["late"])}, "lora_name"),
     (lambda d: ["lora_name"], "body"),
+    (lambda d: {"lora_name": "x", "lora_path": str(d["late"]), "pinned": "yes"}, "pinned"),
 ])
 def test_a_hostile_load_is_a_400_that_says_what_to_change_and_keeps_nothing(engine: str, base_name: str,
                                                                            dirs: dict[str, Path], body,
@@ -144,6 +145,24 @@ def test_a_hostile_load_is_a_400_that_says_what_to_change_and_keeps_nothing(engi
     assert refused.status_code == 400, refused.text
     assert says in refused.json()["error"]["message"]
     assert {m.id for m in client(engine).models.list().data} == {base_name, "sql", "poet"}
+
+
+def test_a_pinned_adapter_is_listed_so_and_pins_stop_at_the_host_memory_it_has(engine: str,
+                                                                               dirs: dict[str, Path]) -> None:
+    """--max-cpu-loras is 2 here (--max-loras'): two pins fit, a third is refused and keeps nothing."""
+    for name in ("pin-a", "pin-b"):
+        pinned = post(engine, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(dirs["late"]),
+                                                        "pinned": True})
+        assert pinned.status_code == 200, pinned.text
+    cards = {m.id: m for m in client(engine).models.list().data}
+    assert cards["pin-a"].model_extra.get("pinned") is True and "pinned" not in cards["sql"].model_extra
+    third = post(engine, "/v1/load_lora_adapter", {"lora_name": "pin-c", "lora_path": str(dirs["late"]),
+                                                   "pinned": True})
+    assert third.status_code == 400 and "--max-cpu-loras" in third.json()["error"]["message"]
+    assert "pin-c" not in {m.id for m in client(engine).models.list().data}
+    assert answer(engine, "pin-a").choices[0].text == answer(engine, "pin-b").choices[0].text
+    for name in ("pin-a", "pin-b"):
+        assert post(engine, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
 
 
 def test_the_base_models_name_cannot_be_taken(engine: str, base_name: str, dirs: dict[str, Path]) -> None:

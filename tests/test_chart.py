@@ -504,6 +504,7 @@ OPERATOR_NEEDS = {  # operator/handlers.py, operator/observe.py, and kopf (watch
     ("", "services"): {"get", "list", "watch", "create", "patch"},
     ("", "pods"): {"list"},
     ("", "events"): {"create"},
+    ("", "secrets"): {"get"},  # only the engines' token (operator/lora_sync.py loads adapters with it)
 }
 KOPF_SCANNING = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}
 GATEWAY_NEEDS = {("", "pods"): {"list", "watch"}}  # gateway/engines/discovery.py: list + watch
@@ -548,6 +549,13 @@ def test_operator_rbac_cluster_wide() -> None:
         for key, verbs in grants(r).items():
             merged.setdefault(key, set()).update(verbs)
     assert merged == {**OPERATOR_NEEDS, **KOPF_SCANNING}
+
+
+def test_the_operator_reads_only_the_engines_token_secret() -> None:
+    for role in bound_roles(render(CHART / "ci" / "gpu-values.yaml"), f"{RELEASE}-kvfleet-operator"):
+        for rule in role["rules"]:
+            if rule["resources"] == ["secrets"]:
+                assert rule["resourceNames"] == [f"{RELEASE}-kvfleet-engine-auth"] and rule["verbs"] == ["get"]
 
 
 def test_gateway_rbac_reads_pods_and_only_its_key_secret() -> None:

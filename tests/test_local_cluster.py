@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import tomllib
 from importlib.metadata import packages_distributions
 from pathlib import Path
@@ -29,6 +30,7 @@ from kvfleet.kube_tables import human_age
 from kvfleet.local_cluster import ClusterSpec, LocalCluster, default_fleet, route_chatty_logs, unroute_chatty_logs
 from kvfleet.local_kubelet import PodProcess, local_command, pods_to_stop
 from tests.conftest import free_port
+from tests.lora_adapters import make_adapter
 
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
 
@@ -160,10 +162,22 @@ def running_children() -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir):
-    """One local cluster for the module's tests; the last test stops it and checks what is left."""
-    cluster = LocalCluster(ClusterSpec(default_fleet("chat", max_replicas=1), port=free_port(),
-                                       autoscale_interval_s=2))
+def adapters(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fleet's adapter directory: a path "in the image" (the local kubelet runs engines on this filesystem)."""
+    root = tmp_path_factory.mktemp("fleet-adapters")
+    for seed, name in enumerate(("sql", "poet", "late"), start=1):
+        make_adapter(smollm2_dir, root / name, seed=seed, rank=4, targets=("q_proj", "v_proj"), std=0.2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_dir, adapters: Path):
+    """One local cluster for the module's tests; the last test stops it and checks what is left. Its fleet serves
+    two LoRA adapters from spec.loraAdapters."""
+    fleet = default_fleet("chat", max_replicas=1)
+    fleet["spec"]["lora"] = {"path": str(adapters), "maxLoras": 2}
+    fleet["spec"]["loraAdapters"] = [{"name": "sql", "rank": 4}, {"name": "poet", "pinned": True}]
+    cluster = LocalCluster(ClusterSpec(fleet, port=free_port(), autoscale_interval_s=2))
     before = set(running_children())  # other tests' processes (the session's vLLM fleet) are not this cluster's
     try:
         cluster.start()
@@ -204,8 +218,10 @@ def kubectl(cluster: LocalCluster, *args: str) -> str:
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
 def test_kubectl_gets_fleets_and_pods_as_on_a_cluster(cluster: LocalCluster) -> None:
+    wait_for(lambda: fleet_status(cluster).get("loraAdaptersReady") == "2/2", "both adapters on the pod")
     header, row = kubectl(cluster, "get", "ifleet", "-n", "kvfleet").splitlines()
-    assert header.split() == ["NAME", "MODEL", "REPLICAS", "READY", "KV%", "QUEUED", "AGE"]
+    assert header.split() == ["NAME", "MODEL", "REPLICAS", "READY", "KV%", "QUEUED", "ADAPTERS", "AGE"]
+    assert row.split()[6] == "2/2"
     name, model, replicas, *_, age = row.split()
     assert (name, model, replicas) == ("chat", "smollm2-135m-instruct", "1") and re.fullmatch(r"\d+[smhd].*", age)
     pods = kubectl(cluster, "get", "pods", "-n", "kvfleet").splitlines()
@@ -214,6 +230,50 @@ def test_kubectl_gets_fleets_and_pods_as_on_a_cluster(cluster: LocalCluster) -> 
     assert engine.startswith("chat-engine-") and engine.split()[1:3] == ["1/1", "Running"]
     assert kubectl(cluster, "get", "inferencefleet", "chat", "-n", "kvfleet", "-o",
                    "jsonpath={.spec.model}") == "smollm2-135m-instruct"
+
+
+def fleet_status(cluster: LocalCluster) -> dict:
+    fleet = client.CustomObjectsApi(cluster.emulator.api_client()).get_namespaced_custom_object(
+        "kvfleet.io", "v1alpha1", "kvfleet", "inferencefleets", "chat")
+    return fleet.get("status") or {}
+
+
+def wait_for(check, what: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def ask(cluster: LocalCluster, model: str) -> httpx.Response:
+    return httpx.post(f"{cluster.url}/v1/completions", timeout=120,
+                      json={"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+
+
+def test_the_fleets_adapters_follow_its_spec_on_the_live_pod(cluster: LocalCluster) -> None:
+    """spec.loraAdapters is loaded onto the ready pod, answered by name through the gateway, and an edit of the list
+    loads and unloads on the same pod (no restart); the status names the pods that hold each adapter."""
+    api = cluster.emulator.api_client()
+    [pod] = client.CoreV1Api(api).list_namespaced_pod("kvfleet").items
+    wait_for(lambda: fleet_status(cluster).get("loraAdaptersReady") == "2/2", "both adapters on the pod")
+    assert fleet_status(cluster)["loraAdapters"] == [{"name": "sql", "pods": [pod.metadata.name]},
+                                                    {"name": "poet", "pods": [pod.metadata.name]}]
+    wait_for(lambda: ask(cluster, "sql").status_code == 200, "the gateway to route `sql`", 30)
+    sql, base = ask(cluster, "sql").json(), ask(cluster, "smollm2-135m-instruct").json()
+    assert sql["model"] == "sql" and sql["choices"][0]["text"] != base["choices"][0]["text"]
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(
+        "kvfleet.io", "v1alpha1", "kvfleet", "inferencefleets", "chat",
+        {"spec": {"loraAdapters": [{"name": "poet", "pinned": True}, {"name": "late"}]}})
+    wait_for(lambda: [a["name"] for a in fleet_status(cluster).get("loraAdapters", [])] == ["poet", "late"]
+             and fleet_status(cluster)["loraAdaptersReady"] == "2/2", "the edited list on the pod")
+    assert ask(cluster, "late").json()["model"] == "late"
+    assert ask(cluster, "sql").status_code == 404
+    [still] = client.CoreV1Api(api).list_namespaced_pod("kvfleet").items
+    assert still.metadata.name == pod.metadata.name  # the same pod, never restarted
+    engine_port = still.spec.containers[0].ports[0].container_port
+    served = httpx.get(f"http://127.0.0.1:{engine_port}/v1/models", timeout=10,
+                       headers={"Authorization": f"Bearer {cluster.engine_api_key}"}).json()["data"]
+    assert {m["id"]: m.get("pinned", False) for m in served if m.get("parent")} == {"poet": True, "late": False}
 
 
 def test_stopping_the_kubernetes_path_leaves_nothing_behind(cluster: LocalCluster) -> None:

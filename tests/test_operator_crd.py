@@ -27,7 +27,7 @@ def test_names_subresources_and_printer_columns() -> None:
     scale = version["subresources"]["scale"]
     assert scale["specReplicasPath"] == ".spec.replicas" and "status" in version["subresources"]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "Replicas", "Ready", "KV%",
-                                                                        "Queued", "Age"]
+                                                                        "Queued", "Adapters", "Age"]
 
 
 def test_schema_defaults_match_what_the_operator_assumes() -> None:

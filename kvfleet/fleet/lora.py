@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -11,6 +12,12 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MAX_LORAS_DEFAULT = 8  # `kvfleet up`: distinct adapters in one engine's batch unless --max-loras says
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM takes
 DEFAULT_MAX_LORA_RANK = 16  # vLLM's and kvfleet's engine's
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"  # what an adapter's name (a request's `model`) may be
+ADAPTER_NAME_RULE = "1-128 letters, digits and . _ : / - (starting with a letter or digit)"
+
+
+def valid_adapter_name(name: object) -> bool:
+    return isinstance(name, str) and re.match(ADAPTER_NAME, name) is not None
 
 
 def max_lora_rank_for(ranks: list[int]) -> int:
