@@ -32,7 +32,7 @@ from kvfleet.gateway.limits.class_grant import class_ceiling, class_refusal
 from kvfleet.gateway.limits.tenant_caps import TenantInFlight
 from kvfleet.gateway.limits.tenant_metrics import TenantMetrics
 from kvfleet.gateway.limits.tenant_share import InFlightShares
-from kvfleet.gateway.limits.usage import Settlement, ask_stream_usage, request_cost
+from kvfleet.gateway.limits.usage import Settlement, Usage, ask_stream_usage, request_cost
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.models.routes import ModelRoute
 from kvfleet.gateway.prefix.events_sse import KVEventFollower
@@ -240,6 +240,8 @@ class Gateway:
         settlement = self.tenant_metrics.counted(tenant.name, settlement, body)  # served tokens, whatever the policy
         self.slo_counts.arrived(priority, settlement.cost.prompt)
         settlement.when_answered(functools.partial(self.slo_counts.answered, priority, arrived_at))
+        if adapter is not None:
+            settlement.when_answered(functools.partial(self._adapter_tokens, adapter))
         # the trust rule (kvfleet.fleet.priority): a body's priority reaches the engine only from a trusted key
         under_share = self.config.queue_policy == "fair" and self.shares.under_share(tenant.name)
         engine_priority = forwarded_engine_priority(priority, body.get("priority"),
@@ -284,6 +286,15 @@ class Gateway:
         if changed:
             raw = json.dumps(body).encode()
         return Admitted(raw, changed, hashes, settlement, degraded)
+
+    def _adapter_tokens(self, adapter: str, usage: Usage) -> None:
+        """An adapter's answer's tokens, as the engine counted them (an answer without a count adds nothing)."""
+        if usage.total is None:
+            return
+        completion = usage.completion or 0
+        m = self.metrics
+        m.labelled(m.lora_tokens, adapter, "prompt").inc(max(0, usage.total - completion))
+        m.labelled(m.lora_tokens, adapter, "completion").inc(completion)
 
     async def _wait_in_queue(self, is_disconnected: Callable[[], Awaitable[bool]], priority: Priority,
                              max_queue_ms: float, has_capacity: bool, tenant: Tenant,

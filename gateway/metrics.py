@@ -30,6 +30,8 @@ class GatewayMetrics:
         # adapters are named by the engines (their /v1/models), never by a client: the label set stays bounded
         self.lora_requests = Counter("kvfleet_gateway_lora_requests", "Requests for each LoRA adapter, sent to an "
                                      "engine", ["adapter"], registry=r)
+        self.lora_tokens = Counter("kvfleet_gateway_lora_tokens", "Tokens the engines reported for each LoRA "
+                                   "adapter's answers: prompt or completion", ["adapter", "kind"], registry=r)
         self.upstream_latency = Histogram("kvfleet_gateway_upstream_latency_seconds",
                                           "Time from sending to an engine to its response headers",
                                           ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)

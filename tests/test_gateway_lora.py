@@ -17,7 +17,7 @@ from openai import OpenAI
 
 from kvfleet.fleet.load import LoraInfo, MetricsParseError, parse_engine_load
 from kvfleet.gateway.engines.adapters import served_adapters
-from kvfleet.gateway.routing.pick import EndpointSnapshot, RoutingContext
+from kvfleet.gateway.routing.pick import EndpointSnapshot, RoutingContext, serving
 from kvfleet.gateway.routing.scorers import LoraAffinity
 from kvfleet.gateway.routing.strategies import strategy_named
 from tests.conftest import start_engine_servers, start_gateway, stop_process
@@ -80,6 +80,19 @@ def test_the_kvfleet_strategy_sends_an_adapter_where_it_is_active() -> None:
     assert "a" not in picks  # full of other adapters: a free slot elsewhere is better
 
 
+def test_an_adapters_request_goes_only_to_engines_that_serve_it_or_are_not_read_yet() -> None:
+    engines = [snapshot("has", served=["sql"]), snapshot("lacks", served=["poet"]), snapshot("unread")]
+    assert [e.url for e in serving(engines, "sql")] == ["has", "unread"]
+    assert [e.url for e in serving(engines, None)] == ["has", "lacks", "unread"]  # the base model: anywhere
+    lacking = [snapshot("a", served=[]), snapshot("b", served=["poet"])]
+    assert serving(lacking, "sql") == lacking  # none serves it: the engines' 404 says what they serve
+    # The load-only strategies (least-request) follow the same filter: a lightly loaded engine without it loses.
+    idle_without = EndpointSnapshot("idle", True, 0.0, 0, 0, 0.0, adapters_served=frozenset())
+    busy_with = EndpointSnapshot("busy", True, 0.5, 3, 4, 0.0, adapters_served=frozenset({"sql"}))
+    pool = serving([idle_without, busy_with], "sql")
+    assert strategy_named("least-request").choose(pool, RoutingContext(adapter="sql"), random.Random(0)).url == "busy"
+
+
 def test_served_adapters_are_the_entries_with_a_parent() -> None:
     body = {"data": [{"id": "base"}, {"id": "sql", "parent": "base"}, {"id": 3, "parent": "base"},
                      {"id": "x" * 300, "parent": "base"}]}
@@ -134,6 +147,15 @@ def test_through_the_gateway_each_adapter_sticks_to_the_engine_where_it_is_activ
     metrics = httpx.get(f"{gateway}/metrics").text
     counted = dict(re.findall(r'kvfleet_gateway_lora_requests_total\{adapter="(\w+)"\} ([\d.]+)', metrics))
     assert counted == {"sql": "6.0", "poet": "6.0"}
+    for _ in range(50):  # a stream's count settles just after its last event reached the client
+        tokens = {(a, kind): float(v) for a, kind, v in re.findall(
+            r'kvfleet_gateway_lora_tokens_total\{adapter="(\w+)",kind="(\w+)"\} ([\d.]+)',
+            httpx.get(f"{gateway}/metrics").text)}
+        if tokens.get(("sql", "completion")) == tokens.get(("poet", "completion")) == 6 * 24:
+            break
+        time.sleep(0.1)
+    assert tokens[("sql", "completion")] == tokens[("poet", "completion")] == 6 * 24  # as the engines counted them
+    assert tokens[("sql", "prompt")] > 0 and tokens[("poet", "prompt")] > 0
 
 
 def test_a_gateway_of_several_models_sends_an_adapter_to_its_base_models_fleet(fleet, tiny_model_dir) -> None:

@@ -178,6 +178,16 @@ def critical_room(endpoints: Sequence[EndpointSnapshot], policy: SaturationPolic
     return [e for e in endpoints if e.healthy and not policy.is_stale(e) and e.critical_pending < policy.max_queue]
 
 
+def serving(endpoints: list[EndpointSnapshot], adapter: str | None) -> list[EndpointSnapshot]:
+    """The engines a request may go to: for an adapter, those whose /v1/models lists it or has not been read yet
+    (a pod that has not loaded it would answer 404: a new pod before the operator's load, a pod of another fleet
+    size); all of them when none does (the engine's answer then says what it serves)."""
+    if adapter is None:
+        return endpoints
+    holding = [e for e in endpoints if e.adapters_served is None or adapter in e.adapters_served]
+    return holding or endpoints
+
+
 def pick(strategy: Strategy, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
          rng: random.Random, critical: SaturationPolicy | None = None) -> EndpointSnapshot | None:
     """The strategy's choice among the endpoints not excluded. With `critical` (a critical request, --critical-first)

@@ -9,7 +9,7 @@ from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
-from kvfleet.gateway.routing.pick import RoutingContext, pick
+from kvfleet.gateway.routing.pick import RoutingContext, pick, serving
 from kvfleet.gateway.routing.strategies import strategy_named
 
 
@@ -30,7 +30,7 @@ class Router:
         c = self.config
         strategy = strategy_named(c.routing, c.weights, c.saturation)
         matches = self.prefix.matches(hashes)
-        snapshots = self.pool.snapshots()
+        snapshots = serving(self.pool.snapshots(), hashes.adapter)
         request = RoutingContext(matches, exclude, must, turn=self._turn, num_tokens=hashes.est_tokens,
                                  adapter=hashes.adapter)
         chosen = pick(strategy, snapshots, request, self.rng, c.saturation if critical and c.critical_first else None)
