@@ -28,10 +28,21 @@ MAX_BLOCK_R = 16  # rank rows per shrink program, and per expand step
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, slots_ptr, buffer_ptr,
-    d_in, rank,
-    stride_x_token, stride_x_in, stride_a_slot, stride_a_rank, stride_a_in, stride_slots, stride_buffer_token,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    a_ptr,
+    slots_ptr,
+    buffer_ptr,
+    d_in,
+    rank,
+    stride_x_token,
+    stride_x_in,
+    stride_a_slot,
+    stride_a_rank,
+    stride_a_in,
+    stride_slots,
+    stride_buffer_token,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token * stride_slots).to(tl.int64)
@@ -53,10 +64,21 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    buffer_ptr, b_ptr, slots_ptr, y_ptr,
-    d_out, rank,
-    stride_buffer_token, stride_b_slot, stride_b_out, stride_b_rank, stride_slots, stride_y_token, stride_y_out,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    buffer_ptr,
+    b_ptr,
+    slots_ptr,
+    y_ptr,
+    d_out,
+    rank,
+    stride_buffer_token,
+    stride_b_slot,
+    stride_b_out,
+    stride_b_rank,
+    stride_slots,
+    stride_y_token,
+    stride_y_out,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token * stride_slots).to(tl.int64)
@@ -72,36 +94,61 @@ def _expand_kernel(
         in_rank = ranks < rank
         shrunk = tl.load(buffer_row + ranks, mask=in_rank, other=0.0)
         b = tl.load(b_rows + ranks[None, :] * stride_b_rank, mask=in_outputs[:, None] & in_rank[None, :], other=0.0)
-        acc = b.to(tl.float32) * shrunk[None, :]
+        acc += b.to(tl.float32) * shrunk[None, :]
     y = y_ptr + token * stride_y_token + outputs * stride_y_out
     updated = tl.load(y, mask=in_outputs).to(tl.float32) + tl.sum(acc, axis=1)
     tl.store(y, updated.to(y_ptr.dtype.element_ty), mask=in_outputs)
 
 
-def lora_update_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                       slots: torch.Tensor) -> torch.Tensor:
+def lora_update_triton(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
     """Adds each token's adapter update to y in place and returns it. y [T, out], x [T, in], a [S, r, in],
     b [S, out, r], slots [T] int32/int64 on y's device (-1: no adapter; others must be < S, unchecked: no sync)."""
     num_tokens, d_out = y.shape
     num_slots, rank, d_in = a.shape
     if x.shape != (num_tokens, d_in) or b.shape != (num_slots, d_out, rank) or slots.shape != (num_tokens,):
-        raise ValueError(f"LoRA shapes do not match: y {tuple(y.shape)}, x {tuple(x.shape)}, a {tuple(a.shape)}, "
-                         f"b {tuple(b.shape)}, slots {tuple(slots.shape)}; want y [T, out], x [T, in], "
-                         "a [S, r, in], b [S, out, r], slots [T]")
+        raise ValueError(
+            f"LoRA shapes do not match: y {tuple(y.shape)}, x {tuple(x.shape)}, a {tuple(a.shape)}, "
+            f"b {tuple(b.shape)}, slots {tuple(slots.shape)}; want y [T, out], x [T, in], "
+            "a [S, r, in], b [S, out, r], slots [T]"
+        )
     if num_tokens == 0 or rank == 0:
         return y
     block_r = min(triton.next_power_of_2(rank), MAX_BLOCK_R)
     buffer = torch.empty(num_tokens, rank, dtype=torch.float32, device=y.device)  # rows of slot -1 stay unwritten
     _shrink_kernel[(num_tokens, triton.cdiv(rank, block_r))](
-        x, a, slots, buffer,
-        d_in, rank,
-        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), slots.stride(0), buffer.stride(0),
-        BLOCK_R=block_r, BLOCK_K=BLOCK_K,
+        x,
+        a,
+        slots,
+        buffer,
+        d_in,
+        rank,
+        x.stride(0),
+        x.stride(1),
+        a.stride(0),
+        a.stride(1),
+        a.stride(2),
+        slots.stride(0),
+        buffer.stride(0),
+        BLOCK_R=block_r,
+        BLOCK_K=BLOCK_K,
     )
     _expand_kernel[(num_tokens, triton.cdiv(d_out, BLOCK_N))](
-        buffer, b, slots, y,
-        d_out, rank,
-        buffer.stride(0), b.stride(0), b.stride(1), b.stride(2), slots.stride(0), y.stride(0), y.stride(1),
-        BLOCK_R=block_r, BLOCK_N=BLOCK_N,
+        buffer,
+        b,
+        slots,
+        y,
+        d_out,
+        rank,
+        buffer.stride(0),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        slots.stride(0),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_R=block_r,
+        BLOCK_N=BLOCK_N,
     )
     return y

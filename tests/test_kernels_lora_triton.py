@@ -37,11 +37,14 @@ def check_update(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rank", [16, 5, 20])  # 20: two blocks of rank rows
-@pytest.mark.parametrize("slots", [
-    [2, -1, 0, 2, 1, -1, 0, 2, 3, -1, 1, 0],  # unsorted, with the base model's tokens among them
-    [1, 1, 1, 0, 0],  # in runs (a prefill of adapter 1, decodes of adapter 0)
-    [3],  # one decode
-])
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [2, -1, 0, 2, 1, -1, 0, 2, 3, -1, 1, 0],  # unsorted, with the base model's tokens among them
+        [1, 1, 1, 0, 0],  # in runs (a prefill of adapter 1, decodes of adapter 0)
+        [3],  # one decode
+    ],
+)
 def test_each_token_gets_its_own_adapters_update(slots: list[int], rank: int, dtype: torch.dtype) -> None:
     torch.manual_seed(len(slots) + rank)
     d_in, d_out = 72, 80  # two blocks of 64 each, the second partly masked
@@ -61,8 +64,12 @@ def test_adapters_of_lower_rank_in_wider_slots_equal_their_own_update() -> None:
     slots = [1, 0, -1, 0, 1, 0]
     x = torch.randn(len(slots), d_in)
     got = lora_update_triton(torch.zeros(len(slots), d_out), x, a, b, torch.tensor(slots))
-    own = torch.stack([(x[t] @ a[s, : ranks[s]].T) @ b[s, :, : ranks[s]].T if s >= 0 else torch.zeros(d_out)
-                       for t, s in enumerate(slots)])
+    own = torch.stack(
+        [
+            (x[t] @ a[s, : ranks[s]].T) @ b[s, :, : ranks[s]].T if s >= 0 else torch.zeros(d_out)
+            for t, s in enumerate(slots)
+        ]
+    )
     torch.testing.assert_close(got, own)
     check_update(torch.randn(len(slots), d_out), x, a, b, slots)
 
@@ -77,8 +84,8 @@ def test_a_step_of_the_base_model_alone_leaves_y_as_it_was() -> None:
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["row-major", "column-major"])
 def test_strided_views_give_the_same_update(transposed: bool) -> None:
-    """x and y column slices of wider tensors (of row- or column-major storage), a and b transposed views: the
-    kernels follow their strides, no copies."""
+    """x and y column slices of wider tensors (of row- or column-major storage), a and b transposed views of wider
+    slots: the kernels follow their strides, no copies."""
     torch.manual_seed(2)
     d_in, d_out, rank = 48, 40, 8
     slots = [0, -1, 1, 1, 0, 2]
@@ -87,9 +94,9 @@ def test_strided_views_give_the_same_update(transposed: bool) -> None:
         return torch.randn(columns, len(slots)).T if transposed else torch.randn(len(slots), columns)
 
     x = wide(d_in + 16)[:, 8 : 8 + d_in]
-    a = torch.randn(3, d_in, rank).transpose(1, 2) / d_in**0.5
-    b = torch.randn(3, rank, d_out).transpose(1, 2) / rank**0.5
-    assert not (x.is_contiguous() or a.is_contiguous() or b.is_contiguous())
+    a = (torch.randn(3, d_in, rank + 4) / d_in**0.5).transpose(1, 2)[:, :rank]  # rank rows of wider slots
+    b = (torch.randn(3, rank + 4, d_out) / rank**0.5).transpose(1, 2)[:, :, :rank]
+    assert (a.stride(0), b.stride(0)) == ((rank + 4) * d_in, (rank + 4) * d_out) and not x.is_contiguous()
     check_update(torch.randn(len(slots), d_out), x, a, b, slots)
 
     wide_y = wide(d_out + 8)

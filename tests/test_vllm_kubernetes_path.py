@@ -7,6 +7,9 @@ metrics, a vLLM pod deleted under load loses no request (the pod drains), and id
 
 from __future__ import annotations
 
+import copy
+import time
+
 import httpx
 import psutil
 import pytest
@@ -18,6 +21,7 @@ from kvfleet.fleet.cpu_features import flags_have_bf16, host_cpu_flags
 from kvfleet.fleet.vllm_serve import cpu_dtype_args
 from kvfleet.local_cluster import ClusterSpec, LocalCluster
 from tests.conftest import free_port
+from tests.lora_adapters import make_adapter
 from tests.vllm_engines import ENGINE_ARGS, SERVED, require_vllm
 
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
@@ -46,9 +50,14 @@ def command_line(process: psutil.Process) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir):
+def cluster(smollm2_dir, tmp_path_factory: pytest.TempPathFactory):
     install = require_vllm()
-    cluster = LocalCluster(ClusterSpec(FLEET, port=free_port(), vllm=str(install.executable), ready_timeout_s=400,
+    # A LoRA adapter the operator loads onto the vLLM pods through vLLM's runtime API (spec.loraAdapters)
+    adapters = tmp_path_factory.mktemp("vllm-fleet-adapters")
+    make_adapter(smollm2_dir, adapters / "sql", seed=1, rank=4, targets=("q_proj", "v_proj"), std=0.2)
+    fleet = copy.deepcopy(FLEET)
+    fleet["spec"] |= {"lora": {"path": str(adapters), "maxLoras": 2}, "loraAdapters": [{"name": "sql"}]}
+    cluster = LocalCluster(ClusterSpec(fleet, port=free_port(), vllm=str(install.executable), ready_timeout_s=400,
                                        autoscale_interval_s=2.0))
     before = children()  # other tests' processes (the session's vLLM fleet) are not this cluster's
     try:
@@ -79,6 +88,36 @@ def test_the_operators_vllm_pod_runs_real_vllm_behind_the_gateway_and_its_token(
     engine = f"http://127.0.0.1:{port}"
     assert httpx.get(f"{engine}/v1/models", timeout=30).status_code == 401  # the token came from the Secret
     assert "vllm:kv_cache_usage_perc" in httpx.get(f"{engine}/metrics", timeout=30).text
+
+
+def test_the_operator_loads_the_fleets_adapter_onto_the_vllm_pod_and_the_gateway_routes_it(
+        cluster: LocalCluster) -> None:
+    api = client.CustomObjectsApi(cluster.emulator.api_client())
+
+    def status() -> dict:
+        return api.get_namespaced_custom_object("kvfleet.io", "v1alpha1", "kvfleet", "inferencefleets",
+                                                "chat").get("status") or {}
+
+    deadline = time.monotonic() + 60
+    while status().get("loraAdaptersReady") != "1/1":
+        assert time.monotonic() < deadline, status().get("loraAdapters")
+        time.sleep(1)
+    [pod] = client.CoreV1Api(cluster.emulator.api_client()).list_namespaced_pod("kvfleet").items
+    assert status()["loraAdapters"] == [{"name": "sql", "pods": [pod.metadata.name]}]
+    container = pod.spec.containers[0]
+    assert "--enable-lora" in container.args
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    base = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={**body, "model": SERVED})
+    # vLLM writes its lora_requests_info gauge from a step's stats (the one just run); the gateway then reads the
+    # engine's /v1/models within a few seconds and lists the adapter with its parent
+    deadline = time.monotonic() + 30
+    while "sql" not in {m["id"] for m in httpx.get(f"{cluster.url}/v1/models", timeout=30).json()["data"]}:
+        assert time.monotonic() < deadline, "the gateway never listed vLLM's adapter"
+        time.sleep(0.5)
+    sql = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={**body, "model": "sql"})
+    assert sql.status_code == 200 and sql.json()["model"] == "sql"
+    assert sql.json()["choices"][0]["text"] != base.json()["choices"][0]["text"]  # the adapter's own weights
+    assert 'kvfleet_gateway_lora_requests_total{adapter="sql"} 1.0' in httpx.get(f"{cluster.url}/metrics").text
 
 
 @pytest.fixture(scope="module")
