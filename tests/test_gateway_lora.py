@@ -109,16 +109,22 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir: Path, adapters: dict[str, Path]):
+def engines(tiny_model_dir: Path, adapters: dict[str, Path]):
     engine = ("--max-loras", "1", "--max-num-seqs", "4", "--kv-cache-memory", "16MiB",
               "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()))
-    engines = start_engine_servers(tiny_model_dir, engine, engine)
-    urls = [url for _, url in engines]
-    gateway, url = start_gateway(*(f for u in urls for f in ("--engine", u)))
-    yield url, urls
-    stop_process(gateway)
-    for proc, _ in engines:
+    started = start_engine_servers(tiny_model_dir, engine, engine)
+    yield [url for _, url in started]
+    for proc, _ in started:
         stop_process(proc)
+
+
+@pytest.fixture(scope="module", params=["python", "envoy"])
+def fleet(request, engines: list[str]):
+    """The same decisions whichever carries the bytes: the Python proxy, or Envoy with the picker (ext_proc)."""
+    gateway, url = start_gateway(*(f for u in engines for f in ("--engine", u)), "--data-plane", request.param,
+                                 timeout=90.0)
+    yield url, engines
+    stop_process(gateway)
 
 
 def test_through_the_gateway_each_adapter_sticks_to_the_engine_where_it_is_active(fleet, tiny_model_dir) -> None:
