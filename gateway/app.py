@@ -1,6 +1,6 @@
-"""`kvfleet gateway`'s HTTP app (FastAPI): health, readiness, metrics, the model list, and the two generation
-routes, which the Python front (python_front.py) serves; `gateway` is one fleet's core (core.py) or a front of
-several (models/front.py)."""
+"""`kvfleet gateway`'s HTTP app (FastAPI): health, readiness, metrics, the model list, the two generation routes,
+which the Python front (python_front.py) serves, and with --batch-dir the Batch API (gateway/batch/); `gateway` is
+one fleet's core (core.py) or a front of several (models/front.py)."""
 
 from __future__ import annotations
 
@@ -17,20 +17,35 @@ from kvfleet.fleet.http_limits import BodyDeadline
 from kvfleet.gateway.core import Gateway
 from kvfleet.gateway.python_front import handle_request
 
+FILES_PATH = "/v1/files"  # uploads: the Batch API's file limit, not a request body's
+MULTIPART_SLACK = 64 * 1024  # a multipart body's boundaries and headers around the file
+
 
 def build_app(gateway: Gateway) -> FastAPI:
+    batch = None
+    if gateway.config.batch is not None:
+        from kvfleet.gateway.batch.wire import BatchApi
+
+        batch = BatchApi(gateway)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
+        if batch is not None:
+            batch.start()
         try:
             yield
         finally:
+            if batch is not None:
+                await batch.stop()
             await gateway.stop()
 
     docs = gateway.config.enable_docs  # off by default: the API's shape is no business of anonymous clients
     app = FastAPI(title="kvfleet gateway", version="0.1.0", lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
-    app.add_middleware(BodyLimit, max_bytes=gateway.config.max_body_bytes)
+    files_limit = {} if batch is None else {FILES_PATH: (gateway.config.batch.max_file_bytes + MULTIPART_SLACK,
+                                                         "split the file into several batches")}
+    app.add_middleware(BodyLimit, max_bytes=gateway.config.max_body_bytes, by_path=files_limit)
     app.add_middleware(BodyDeadline, seconds=gateway.config.http_limits.body_timeout_s)
     install_error_handlers(app)
 
@@ -58,4 +73,6 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await handle_request(gateway, request, "/v1/chat/completions")
 
+    if batch is not None:
+        batch.install(app)
     return app

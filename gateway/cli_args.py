@@ -11,6 +11,12 @@ from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import Priority, engine_priority
 from kvfleet.fleet.redis_keys import key_prefix
+from kvfleet.gateway.batch.settings import (
+    DEFAULT_MAX_ACTIVE,
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_LINES,
+    BatchSettings,
+)
 from kvfleet.gateway.config import (
     DATA_PLANES,
     MAX_TENANT_METRICS_TOP,
@@ -143,6 +149,15 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="the engines' shared token (their --api-key), sent upstream as 'Authorization: Bearer' "
                         f"(default: env {ENGINE_API_KEY_ENV})")
     a.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
+    b = p.add_argument_group("Batch API (OpenAI's /v1/files and /v1/batches)")
+    b.add_argument("--batch-dir", default=None, metavar="DIR",
+                   help="turn the Batch API on, keeping file bodies here (a PersistentVolume every replica mounts; "
+                        "local disk for one); needs --redis-url")
+    b.add_argument("--batch-max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES,
+                   help="the largest input file; over it: 413")
+    b.add_argument("--batch-max-lines", type=int, default=DEFAULT_MAX_LINES, help="requests in one input file")
+    b.add_argument("--batch-max-active", type=int, default=DEFAULT_MAX_ACTIVE,
+                   help="a tenant's unfinished batches; beyond: 429")
     lim = d0.http_limits
     c = p.add_argument_group("client and engine limits")
     c.add_argument("--max-header-count", type=int, default=lim.max_header_count, help="more headers: 431")
@@ -197,4 +212,6 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         upstream_first_byte_timeout_s=args.upstream_first_byte_timeout,
         upstream_idle_timeout_s=args.upstream_idle_timeout, engine_unreachable_after_s=args.engine_unreachable_after,
         http_limits=HttpLimits(args.max_header_count, args.max_header_bytes, args.header_timeout, args.body_timeout,
-                               args.max_connections))
+                               args.max_connections),
+        batch=BatchSettings(args.batch_dir, args.batch_max_file_bytes, args.batch_max_lines, args.batch_max_active)
+        if args.batch_dir else None)

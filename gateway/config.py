@@ -10,6 +10,7 @@ from kvfleet.fleet.engine_settings import ENGINE_API_KEY_ENV
 from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
+from kvfleet.gateway.batch.settings import BatchSettings
 from kvfleet.gateway.models.routes import ModelRoute
 from kvfleet.gateway.queue.fair_order import QUEUE_POLICIES
 from kvfleet.gateway.routing.pick import SaturationPolicy, ScoreWeights
@@ -76,6 +77,7 @@ class GatewayConfig:
     rpm_per_key: int | None = None
     tpm_per_key: int | None = None
     tenant_metrics_top: int = 20  # tenants with their own kvfleet_gateway_tenant_* series; the rest are "other"
+    batch: BatchSettings | None = None  # the Batch API (gateway/batch/), on with --batch-dir
 
     @property
     def several_models(self) -> bool:
@@ -145,6 +147,9 @@ class GatewayConfig:
         if not 0 <= self.tenant_metrics_top <= MAX_TENANT_METRICS_TOP:
             raise ValueError(f"--tenant-metrics-top must be a whole number from 0 (every tenant is 'other') to "
                              f"{MAX_TENANT_METRICS_TOP}, not {self.tenant_metrics_top}")
+        if self.batch is not None and not self.redis_url:
+            raise ValueError("--batch-dir needs --redis-url: batches and their progress live in Redis, shared by "
+                             "every gateway replica")
         if not self.fleet or any(c in self.fleet for c in "{}: "):
             raise ValueError(f"--fleet must be a plain name (no braces, colons or spaces), not {self.fleet!r}")
 

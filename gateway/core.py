@@ -410,6 +410,15 @@ class Gateway:
             raise APIError(502, f"engine {url} failed: {type(err).__name__}", "server_error") from err
         return upstream, url
 
+    async def batch_models(self) -> dict[str, tuple[Gateway, str]]:
+        """The models a batch line may name (the engines' list: the base model and its adapters), each served here
+        under its own name."""
+        upstream, _ = await self.engine_models()
+        upstream.raise_for_status()
+        data = upstream.json().get("data")
+        return {m["id"]: (self, m["id"]) for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)} \
+            if isinstance(data, list) else {}
+
     # ---- status -------------------------------------------------------------------------------------------
     def ready_body(self) -> dict:
         snaps = self.pool.snapshots()

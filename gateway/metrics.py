@@ -32,6 +32,10 @@ class GatewayMetrics:
                                      "engine", ["adapter"], registry=r)
         self.lora_tokens = Counter("kvfleet_gateway_lora_tokens", "Tokens the engines reported for each LoRA "
                                    "adapter's answers: prompt or completion", ["adapter", "kind"], registry=r)
+        self.batch_requests = Counter("kvfleet_gateway_batch_requests", "Batch API requests answered by this "
+                                      "replica's runner: completed (a 2xx answer) or failed", ["outcome"], registry=r)
+        self.batch_in_flight = Gauge("kvfleet_gateway_batch_in_flight", "Batch API requests this replica has at the "
+                                     "engines now", registry=r)
         self.upstream_latency = Histogram("kvfleet_gateway_upstream_latency_seconds",
                                           "Time from sending to an engine to its response headers",
                                           ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)

@@ -202,6 +202,20 @@ class ModelFront:
             return fallback
         return gateway
 
+    async def batch_models(self) -> dict[str, tuple[Gateway, str]]:
+        """The names a batch line may give as its model (models, aliases, adapters), each with the fleet that serves
+        it and the name its engines know it by."""
+        out: dict[str, tuple[Gateway, str]] = {}
+        for route in self.routes:
+            gateway = self.fleets.get(route.name)
+            if gateway is None:
+                continue
+            for name in (route.name, *route.aliases):
+                out[name] = (gateway, route.name)
+            for adapter in sorted(gateway.adapters.names) if gateway.adapters else ():
+                out.setdefault(adapter, (gateway, adapter))
+        return out
+
     # ---- status -------------------------------------------------------------------------------------------
     async def models_response(self, request_headers: Mapping[str, str]) -> Response:
         """Every model and alias; an engine's own entry where one answers (its max_model_len and so on)."""

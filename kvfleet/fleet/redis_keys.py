@@ -103,3 +103,45 @@ def slo_slot_key(fleet: str, slot_start: int) -> str:
 def rate_limit_key(fleet: str, key_id: str) -> str:
     """Hash of one API key's usage, fields `r:<unix second>` (requests) and `t:<unix second>` (tokens)."""
     return key_prefix(fleet) + f"ratelimit:{key_id}"
+
+
+# The Batch API (gateway/batch/state.py)
+
+def batch_files_key(fleet: str) -> str:
+    """Hash: file id -> its record (JSON: tenant, bytes, created_at, filename, purpose)."""
+    return key_prefix(fleet) + "batch:files"
+
+
+def batch_tenant_files_key(fleet: str, tenant: str) -> str:
+    """Sorted set: a tenant's file ids by creation time."""
+    return key_prefix(fleet) + f"batch:tenant:{tenant}:files"
+
+
+def batch_key(fleet: str, batch_id: str) -> str:
+    """Hash: a batch's record, status, times, total and result file ids."""
+    return key_prefix(fleet) + f"batch:{batch_id}"
+
+
+def batch_tenant_batches_key(fleet: str, tenant: str) -> str:
+    """Sorted set: a tenant's batch ids by creation time."""
+    return key_prefix(fleet) + f"batch:tenant:{tenant}:batches"
+
+
+def batch_active_key(fleet: str) -> str:
+    """Sorted set: unfinished batch ids by creation time (what the replicas' runners take)."""
+    return key_prefix(fleet) + "batch:active"
+
+
+def batch_lease_key(fleet: str, batch_id: str) -> str:
+    """The replica running a batch (expires unless renewed)."""
+    return key_prefix(fleet) + f"batch:{batch_id}:lease"
+
+
+def batch_results_key(fleet: str, batch_id: str) -> str:
+    """Hash: custom_id -> the output file's line (JSON), written once."""
+    return key_prefix(fleet) + f"batch:{batch_id}:results"
+
+
+def batch_errors_key(fleet: str, batch_id: str) -> str:
+    """Hash: custom_id (or line:N) -> the error file's line (JSON), written once."""
+    return key_prefix(fleet) + f"batch:{batch_id}:errors"

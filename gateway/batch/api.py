@@ -1,0 +1,226 @@
+"""The OpenAI Files and Batches API on the gateway (the `openai` client's `files.*` and `batches.*` calls, unchanged).
+
+A caller is its API key's tenant (without keys, its x-kvfleet-tenant header, else the default tenant), and sees only
+its own files and batches: another tenant's id is answered as one that does not exist. Uploads are bounded in bytes
+(413) and lines, and a tenant's unfinished batches are capped (429), so a flood of uploads or tiny batches costs
+the flooder, not the fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+
+from kvfleet.fleet.errors import APIError
+from kvfleet.gateway.batch.files import FileStore, new_batch_id, new_file_id
+from kvfleet.gateway.batch.lines import ENDPOINTS
+from kvfleet.gateway.batch.objects import (
+    FINISHED,
+    RUNNING,
+    check_metadata,
+    list_limit,
+    page,
+    public_batch,
+    window_seconds,
+)
+from kvfleet.gateway.batch.settings import BatchSettings
+from kvfleet.gateway.batch.state import BatchState, FileRecord
+
+MAX_FILENAME = 256
+
+
+def not_found(kind: str, given: str) -> APIError:
+    return APIError(404, f"No {kind} with id {given[:80]!r} found", code="not_found", param="id")
+
+
+class BatchService:
+    def __init__(self, state: BatchState, files: FileStore, limits: BatchSettings,
+                 tenant_of: Callable[[Mapping[str, str]], str], wake: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.state, self.files, self.limits = state, files, limits
+        self.tenant_of, self.wake, self.clock = tenant_of, wake, clock
+
+    # Files
+
+    async def upload(self, tenant: str, upload: Any, purpose: Any) -> dict:
+        if purpose != "batch":
+            raise APIError(400, f"purpose must be \"batch\" (the files this gateway keeps are batch input), not "
+                                f"{purpose!r:.40}", param="purpose")
+        if not isinstance(upload, UploadFile):
+            raise APIError(400, "send the file as the multipart field `file`", param="file")
+        size, lines = await asyncio.to_thread(_measure, upload.file)
+        if size > self.limits.max_file_bytes:
+            raise APIError(413, f"the file is {size} bytes, over this gateway's {self.limits.max_file_bytes}; split "
+                                "it into several batches", code="file_too_large", param="file")
+        if lines == 0 or lines > self.limits.max_lines:
+            raise APIError(400, f"a batch file holds 1 to {self.limits.max_lines} requests, one JSON object per "
+                                f"line; this one has {lines}", param="file")
+        file_id = new_file_id()
+        await asyncio.to_thread(self.files.put_from, file_id, upload.file)
+        name = (upload.filename or "batch.jsonl")[:MAX_FILENAME]
+        record = FileRecord(file_id, tenant, size, int(self.clock()), name, "batch")
+        await self.state.add_file(record)
+        return record.public()
+
+    async def own_file(self, tenant: str, file_id: str) -> FileRecord:
+        record = await self.state.file(tenant, file_id)
+        if record is None:
+            raise not_found("file", file_id)
+        return record
+
+    async def list_files(self, tenant: str, purpose: str | None, after: str | None, limit: Any, order: str) -> dict:
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be asc or desc, not {order[:20]!r}", param="order")
+        items = [f.public() for f in await self.state.files(tenant) if purpose is None or f.purpose == purpose]
+        return page(items if order == "asc" else items[::-1], after, list_limit(limit))
+
+    async def delete_file(self, tenant: str, file_id: str) -> dict:
+        record = await self.own_file(tenant, file_id)
+        await self.state.remove_file(record)
+        self.files.delete(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # Batches
+
+    async def create(self, tenant: str, body: Any) -> dict:
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object: {input_file_id, endpoint, completion_window}")
+        unknown = next((k for k in body if k not in ("input_file_id", "endpoint", "completion_window", "metadata",
+                                                    "output_expires_after")), None)
+        if unknown is not None:
+            raise APIError(400, f"{unknown[:40]!r} is not a field of a batch", param=unknown[:40])
+        endpoint = body.get("endpoint")
+        if endpoint not in ENDPOINTS:
+            raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, not {endpoint!r:.60}",
+                           param="endpoint")
+        window_s = window_seconds(body.get("completion_window"))
+        metadata = check_metadata(body.get("metadata"))
+        file_id = body.get("input_file_id")
+        if not isinstance(file_id, str):
+            raise APIError(400, "input_file_id must be the id of a file uploaded with purpose \"batch\"",
+                           param="input_file_id")
+        source = await self.own_file(tenant, file_id)
+        if source.purpose != "batch":
+            raise APIError(400, f"{file_id} is a {source.purpose} file; upload the input with purpose \"batch\"",
+                           param="input_file_id")
+        active = 0
+        for batch_id in await self.state.tenant_batch_ids(tenant):
+            fields = await self.state.batch(batch_id)
+            active += fields is not None and fields["status"] not in FINISHED
+        if active >= self.limits.max_active:
+            raise APIError(429, f"{active} of your batches are unfinished, this gateway's most per tenant; wait for "
+                                "one to finish or cancel one", "rate_limit_error", code="too_many_batches",
+                           headers={"retry-after": "30"})
+        now = int(self.clock())
+        batch_id = new_batch_id()
+        record = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": body["completion_window"],
+                  "created_at": now, "expires_at": now + window_s, "metadata": metadata}
+        await self.state.add_batch(batch_id, tenant, record, "validating", now)
+        self.wake()
+        return await self.retrieve(tenant, batch_id)
+
+    async def _own_batch(self, tenant: str, batch_id: str) -> dict:
+        fields = await self.state.batch(batch_id) if isinstance(batch_id, str) else None
+        if fields is None or fields.get("tenant") != tenant:
+            raise not_found("batch", str(batch_id))
+        return fields
+
+    async def retrieve(self, tenant: str, batch_id: str) -> dict:
+        fields = await self._own_batch(tenant, batch_id)
+        return public_batch(batch_id, fields, *await self.state.counts(batch_id, fields))
+
+    async def list_batches(self, tenant: str, after: str | None, limit: Any) -> dict:
+        items = []
+        for batch_id in reversed(await self.state.tenant_batch_ids(tenant)):  # newest first, as OpenAI lists
+            fields = await self.state.batch(batch_id)
+            if fields is not None:
+                items.append(public_batch(batch_id, fields, *await self.state.counts(batch_id, fields)))
+        return page(items, after, list_limit(limit))
+
+    async def cancel(self, tenant: str, batch_id: str) -> dict:
+        fields = await self._own_batch(tenant, batch_id)
+        if not await self.state.transition(batch_id, RUNNING, "cancelling", int(self.clock())):
+            if fields["status"] not in ("cancelling", "cancelled"):
+                raise APIError(409, f"batch {batch_id} is {fields['status']}; only a validating or in-progress batch "
+                                    "can be cancelled", code="batch_not_cancellable")
+        self.wake()
+        return await self.retrieve(tenant, batch_id)
+
+
+def _measure(file: Any) -> tuple[int, int]:
+    """(bytes, non-blank lines) of an uploaded file, left at its start."""
+    file.seek(0, 2)
+    size = file.tell()
+    file.seek(0)
+    lines = sum(1 for line in file if line.strip())
+    file.seek(0)
+    return size, lines
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError):
+        raise APIError(400, "the body is not valid JSON; send a JSON object") from None
+
+
+def install_batch_routes(app: FastAPI, service: BatchService) -> None:
+    def tenant(request: Request) -> str:
+        return service.tenant_of(request.headers)
+
+    @app.post("/v1/files")
+    async def upload_file(request: Request) -> JSONResponse:
+        who = tenant(request)
+        try:
+            async with request.form(max_files=1, max_fields=4) as form:
+                return JSONResponse(await service.upload(who, form.get("file"), form.get("purpose")))
+        except HTTPException as err:  # starlette's multipart refusals (a malformed or oversized form)
+            raise APIError(400, f"send multipart/form-data with the fields file and purpose: {err.detail}"[:300]
+                           ) from None
+
+    @app.get("/v1/files")
+    async def list_files(request: Request, purpose: str | None = None, after: str | None = None,
+                         limit: str | None = None, order: str = "desc") -> JSONResponse:
+        return JSONResponse(await service.list_files(tenant(request), purpose, after, limit, order))
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve_file(request: Request, file_id: str) -> JSONResponse:
+        return JSONResponse((await service.own_file(tenant(request), file_id)).public())
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(request: Request, file_id: str) -> Response:
+        record = await service.own_file(tenant(request), file_id)
+        try:
+            data = await asyncio.to_thread(service.files.read, record.id)
+        except FileNotFoundError:
+            raise not_found("file content", file_id) from None
+        return Response(data, media_type="application/octet-stream")
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(request: Request, file_id: str) -> JSONResponse:
+        return JSONResponse(await service.delete_file(tenant(request), file_id))
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request) -> JSONResponse:
+        who = tenant(request)
+        return JSONResponse(await service.create(who, await _json_body(request)))
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request, after: str | None = None, limit: str | None = None) -> JSONResponse:
+        return JSONResponse(await service.list_batches(tenant(request), after, limit))
+
+    @app.get("/v1/batches/{batch_id}")
+    async def retrieve_batch(request: Request, batch_id: str) -> JSONResponse:
+        return JSONResponse(await service.retrieve(tenant(request), batch_id))
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
+        return JSONResponse(await service.cancel(tenant(request), batch_id))

@@ -1,0 +1,23 @@
+"""The Batch API's settings (`kvfleet gateway --batch-dir ...`), one place for their defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_FILE_BYTES = 100 * 1024 * 1024
+DEFAULT_MAX_LINES = 50_000  # requests in one input file (OpenAI's)
+DEFAULT_MAX_ACTIVE = 16  # a tenant's unfinished batches
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    directory: str  # the file store: local disk, or a PersistentVolume every replica mounts
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # an upload over it: 413
+    max_lines: int = DEFAULT_MAX_LINES
+    max_active: int = DEFAULT_MAX_ACTIVE
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--batch-max-file-bytes", self.max_file_bytes), ("--batch-max-lines", self.max_lines),
+                            ("--batch-max-active", self.max_active)):
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1, not {value}")

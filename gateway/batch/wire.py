@@ -1,0 +1,47 @@
+"""The Batch API attached to a gateway's app (`--batch-dir`): its Redis state, its file store, the runner on this
+replica, and the routes. Off without --batch-dir; it needs --redis-url (state every replica shares)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI
+
+from kvfleet.gateway.batch.api import BatchService, install_batch_routes
+from kvfleet.gateway.batch.files import FileStore
+from kvfleet.gateway.batch.runner import BatchRunner
+from kvfleet.gateway.batch.state import BatchState
+from kvfleet.gateway.limits.access import authenticate, request_tenant
+
+
+class BatchApi:
+    def __init__(self, gateway: Any) -> None:
+        """`gateway`: one fleet's core (gateway/core.py) or a front of several (models/front.py); both answer
+        batch_models() (model name -> the core serving it) and hold the API keys."""
+        import redis.asyncio
+
+        c = gateway.config
+        settings = c.batch
+        if not c.redis_url:
+            raise ValueError("--batch-dir needs --redis-url: batches and their progress live in Redis, shared by "
+                             "every gateway replica")
+        self.gateway = gateway
+        self.redis = redis.asyncio.Redis.from_url(c.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.state = BatchState(self.redis, c.fleet)
+        self.files = FileStore(settings.directory)
+        self.runner = BatchRunner(self.state, self.files, gateway.batch_models, metrics=gateway.metrics)
+        self.service = BatchService(self.state, self.files, settings, self.tenant_of, self.runner.wake)
+
+    def tenant_of(self, request_headers: Mapping[str, str]) -> str:
+        return request_tenant(authenticate(self.gateway.keys, request_headers), request_headers).name
+
+    def install(self, app: FastAPI) -> None:
+        install_batch_routes(app, self.service)
+
+    def start(self) -> None:
+        self.runner.start()
+
+    async def stop(self) -> None:
+        await self.runner.stop()
+        await self.redis.aclose()

@@ -1,0 +1,186 @@
+"""The OpenAI Batch API on the gateway, driven by the official `openai` client unchanged: upload a JSONL file, create
+a batch, poll it, download its output and error files. Real parts: a tiny-model engine, the gateway process, Redis.
+Every bad line is one error-file entry naming its line while the rest runs; each custom_id is answered once; a
+tenant sees only its own files and batches; uploads and batch floods are bounded with clear 4xx answers."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from kvfleet.redis_server import RedisServer
+from tests.conftest import start_engine_server, start_gateway, stop_process
+from tests.test_gateway_proxy import wait_until_routable
+
+MAX_FILE_BYTES = 64 * 1024
+MAX_ACTIVE = 3
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    server = RedisServer().start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path):
+    proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "4", "--kv-cache-memory", "16MiB")
+    yield url
+    stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def model(engine: str) -> str:
+    return httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory):
+    store = tmp_path_factory.mktemp("batch-store")
+    proc, url = start_gateway("--engine", engine, "--redis-url", redis_url, "--batch-dir", str(store),
+                              "--batch-max-file-bytes", str(MAX_FILE_BYTES), "--batch-max-active", str(MAX_ACTIVE))
+    wait_until_routable(url)
+    yield url
+    stop_process(proc)
+
+
+def client(url: str, tenant: str = "team-a") -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60,
+                  default_headers={"x-kvfleet-tenant": tenant})
+
+
+def request_line(custom_id: str, model: str, content: str = "Say hi", max_tokens: int = 4,
+                 url: str = "/v1/chat/completions") -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url,
+            "body": {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                     "temperature": 0}}
+
+
+def jsonl(lines: list) -> bytes:
+    return b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
+
+
+def wait_done(c: OpenAI, batch_id: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = c.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
+        time.sleep(0.3)
+
+
+def output_lines(c: OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in c.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_runs_through_the_openai_client_and_every_bad_line_is_its_own_error(gateway: str, model: str) -> None:
+    c = client(gateway)
+    good = [request_line(f"req-{i}", model, f"Count to {i}") for i in range(12)]
+    lines = [*good[:4], b"{not json", {**request_line("wrong-url", model), "url": "/v1/completions"},
+             request_line("no-model", "no-such-model"), request_line("req-0", model),  # a duplicate custom_id
+             {**request_line("stream", model), "body": {**request_line("s", model)["body"], "stream": True}},
+             ["not", "an", "object"], *good[4:]]
+    uploaded = c.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(lines)) and uploaded.filename == "requests.jsonl"
+    batch = c.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
+                             metadata={"job": "nightly"})
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"job": "nightly"}
+    done = wait_done(c, batch.id)
+    assert done.status == "completed" and done.completed_at and done.output_file_id and done.error_file_id
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (18, 12, 6)
+    answers = output_lines(c, done.output_file_id)
+    assert sorted(a["custom_id"] for a in answers) == sorted(line["custom_id"] for line in good)  # each once
+    assert all(a["response"]["status_code"] == 200 and a["response"]["body"]["choices"][0]["message"]["content"]
+               for a in answers)
+    errors = {e["error"]["code"]: e for e in output_lines(c, done.error_file_id)}
+    assert set(errors) == {"invalid_json", "mismatched_endpoint", "model_not_found", "duplicate_custom_id",
+                           "invalid_body", "invalid_request"}
+    assert errors["invalid_json"]["error"]["message"].startswith("line 5:")
+    assert errors["duplicate_custom_id"]["custom_id"] == "req-0"
+    assert "no-such-model" in errors["model_not_found"]["error"]["message"]
+    listed = c.batches.list(limit=5)
+    assert listed.data[0].id == batch.id
+    output = c.files.retrieve(done.output_file_id)
+    assert output.purpose == "batch_output"
+
+
+def test_a_tenant_sees_only_its_own_files_and_batches(gateway: str, model: str) -> None:
+    mine, theirs = client(gateway, "team-a"), client(gateway, "team-b")
+    uploaded = mine.files.create(file=("x.jsonl", jsonl([request_line("a", model)])), purpose="batch")
+    batch = mine.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (lambda: theirs.files.retrieve(uploaded.id), lambda: theirs.files.content(uploaded.id),
+                 lambda: theirs.files.delete(uploaded.id), lambda: theirs.batches.retrieve(batch.id),
+                 lambda: theirs.batches.cancel(batch.id),
+                 lambda: theirs.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                               completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert uploaded.id not in {f.id for f in theirs.files.list()}
+    assert batch.id not in {b.id for b in theirs.batches.list()}
+    wait_done(mine, batch.id)
+
+
+@pytest.mark.parametrize(("make", "status", "says"), [
+    (lambda c, m: c.files.create(file=("big.jsonl", b"x" * (MAX_FILE_BYTES + 1)), purpose="batch"), 413,
+     "split"),
+    (lambda c, m: c.files.create(file=("a.jsonl", jsonl([request_line("a", m)])), purpose="fine-tune"), 400,
+     "purpose"),
+    (lambda c, m: c.files.create(file=("e.jsonl", b"\n\n"), purpose="batch"), 400, "1 to"),
+    (lambda c, m: c.batches.create(input_file_id="file-000000000000000000000000", endpoint="/v1/chat/completions",
+                                   completion_window="24h"), 404, "No file"),
+    (lambda c, m: c.batches.create(input_file_id="../../etc/passwd", endpoint="/v1/chat/completions",
+                                   completion_window="24h"), 404, "No file"),
+    (lambda c, m: c.batches.create(input_file_id=upload(c, m), endpoint="/v1/embeddings", completion_window="24h"),
+     400, "endpoint"),
+    (lambda c, m: c.batches.create(input_file_id=upload(c, m), endpoint="/v1/chat/completions",
+                                   completion_window="2d"), 400, "completion_window"),
+    (lambda c, m: c.batches.create(input_file_id=upload(c, m), endpoint="/v1/chat/completions",
+                                   completion_window="24h", metadata={str(i): "v" for i in range(17)}), 400,
+     "metadata"),
+    (lambda c, m: c.batches.retrieve("batch_nope"), 404, "No batch"),
+    (lambda c, m: c.batches.list(limit=1000), 400, "limit"),
+])
+def test_hostile_calls_get_a_clear_4xx(gateway: str, model: str, make, status: int, says: str) -> None:
+    with pytest.raises(openai.APIStatusError) as refused:
+        make(client(gateway, "hostile"), model)
+    assert refused.value.status_code == status and says in refused.value.message
+
+
+def upload(c: OpenAI, model: str) -> str:
+    return c.files.create(file=("a.jsonl", jsonl([request_line("a", model)])), purpose="batch").id
+
+
+def test_a_flood_of_batches_is_capped_per_tenant_and_a_finished_batch_cannot_be_cancelled(gateway: str,
+                                                                                        model: str) -> None:
+    c = client(gateway, "flooder")
+    slow = [request_line(f"s{i}", model, max_tokens=64) for i in range(8)]
+    file_id = c.files.create(file=("slow.jsonl", jsonl(slow)), purpose="batch").id
+    batches = [c.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+               for _ in range(MAX_ACTIVE)]
+    with pytest.raises(openai.RateLimitError) as capped:
+        c.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert "unfinished" in capped.value.message
+    other = client(gateway, "bystander")  # another tenant is not capped by the flooder
+    other.batches.create(input_file_id=upload(other, model), endpoint="/v1/chat/completions", completion_window="24h")
+    cancelled = c.batches.cancel(batches[0].id)
+    assert cancelled.status in ("cancelling", "cancelled")
+    done = wait_done(c, batches[0].id)
+    assert done.status == "cancelled" and done.cancelled_at
+    counts = done.request_counts
+    assert counts.completed + counts.failed == 8  # every request answered: run, or `batch_cancelled`
+    codes = {e["error"]["code"] for e in output_lines(c, done.error_file_id) if e["error"]}
+    assert codes <= {"batch_cancelled"}
+    for b in batches[1:]:
+        assert wait_done(c, b.id).status == "completed"
+    with pytest.raises(openai.ConflictError):
+        c.batches.cancel(batches[1].id)
