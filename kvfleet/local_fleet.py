@@ -212,8 +212,9 @@ class LocalFleet:
         else:  # one fleet per model, by the request's `model`
             routes = [flag for model, e in served for flag in ("--engine", f"{model}={e.url}")]
             routes += [flag for model, d in model_dirs.items() for flag in ("--tokenizer", f"{model}={d}")]
+        # the Batch API (OpenAI's /v1/files and /v1/batches), its files in the run's directory beside the logs
         args = ["gateway", "--host", s.host, "--port", str(s.port), "--redis-url", self.redis.url,
-                "--routing", s.routing, *routes, *s.gateway_args]
+                "--routing", s.routing, "--batch-dir", str(self.run_dir / "batches"), *routes, *s.gateway_args]
         self.gateway = self._spawn("gateway", kvfleet_command(*args), self.url, env)
         self._wait_ready(self.gateway, "/ready")  # with Envoy: once its endpoint picker listens
 
@@ -324,6 +325,7 @@ def run(spec: FleetSpec) -> int:
         return (f"\nkvfleet fleet is up: {fleet.url}  ({spec.engines} engine(s) of {' and of '.join(spec.models)}, "
                 f"Redis {fleet.redis.url}, {fleets})\n"
                 f"  curl {fleet.url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'\n"
+                f"  batches: OpenAI's Batch API at {fleet.url}/v1/files and /v1/batches (client.batches.create)\n"
                 f"  metrics: {fleet.url}/metrics   logs: {fleet.run_dir}\n"
                 f"  engines answer /v1/* only with the run's token: curl -H @{fleet.run_dir}/engine-api-key ...\n"
                 "Ctrl-C stops everything.")

@@ -3,6 +3,7 @@ would (a subprocess, then SIGTERM or Ctrl-C). Bad inputs tried: --engines 0, a -
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -101,6 +102,20 @@ def test_up_serves_two_models_through_one_gateway(tiny_model_dir) -> None:
             assert raw.parse().model == model
             engines.add(raw.headers["x-kvfleet-engine"])
         assert len(engines) == 2  # each model's own engine
+        # The Batch API, as the README shows it: one batch whose lines name either model
+        lines = [{"custom_id": f"{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": models[i % 2], "prompt": "The capital of France is", "max_tokens": 3,
+                           "temperature": 0}} for i in range(4)]
+        uploaded = client.files.create(file=("in.jsonl", "\n".join(map(json.dumps, lines)).encode()),
+                                       purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        while batch.status not in ("completed", "failed", "expired", "cancelled"):
+            time.sleep(0.3)
+            batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == 4
+        answers = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+        assert {a["custom_id"]: a["response"]["body"]["model"] for a in answers} == {
+            f"{i}": models[i % 2] for i in range(4)}
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
