@@ -32,11 +32,14 @@ def redis_server_binary() -> str:
 
 
 class RedisServer:
-    """Starts redis-server without persistence on 127.0.0.1; `stop()` (or the context manager) ends it."""
+    """Starts redis-server on 127.0.0.1, without persistence unless asked; `stop()` (or the context manager) ends it."""
 
-    def __init__(self, port: int | None = None, password: str | None = None):
+    def __init__(self, port: int | None = None, password: str | None = None, append_only_dir: str | None = None):
+        """append_only_dir: keep the data there in an append-only file (fsync'd every write), so a restart finds
+        it again, as a Redis with persistence does (the chart's redis.persistence)."""
         self.port = port or free_port()
         self.password = password
+        self.append_only_dir = append_only_dir
         self._dir: str | None = None
         self.proc: Child | None = None
 
@@ -47,9 +50,10 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Starts (or, after stop(), restarts on the same port, empty)."""
-        self._dir = tempfile.mkdtemp(prefix="kvfleet-redis-")
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"]
+        self._dir = self.append_only_dir or tempfile.mkdtemp(prefix="kvfleet-redis-")
+        persist = ["--appendonly", "yes", "--appendfsync", "always"] if self.append_only_dir else ["--appendonly", "no"]
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persist,
+                "--dir", self._dir, "--protected-mode", "no"]
         if self.password:
             args += ["--requirepass", self.password]
         # In its parent's session, unlike the fleet's processes: an interrupted test run takes it down too.
@@ -74,9 +78,9 @@ class RedisServer:
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop(timeout_s=5)
-        if self._dir is not None:
+        if self._dir is not None and self._dir != self.append_only_dir:
             shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        self._dir = None
 
     def __enter__(self) -> RedisServer:
         return self.start()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from redis.exceptions import RedisError
 
 from kvfleet.fleet import headers
 from kvfleet.gateway.batch.capacity import BATCH_ENGINE_PRIORITY, BatchRoom, batch_targets
@@ -53,6 +54,7 @@ class Running:
     cores: dict[str, tuple[Any, str]] = field(default_factory=dict)  # model -> (the core serving it, its name there)
     pending: collections.deque[tuple[Line, int]] = field(default_factory=collections.deque)  # (line, attempts)
     in_flight: int = 0
+    unwritten: list[tuple[str, dict, bool]] = field(default_factory=list)  # answers Redis did not take yet
     stopping: str | None = None  # "cancelled" or "expired": send nothing more, finish when in flight is done
 
 
@@ -172,7 +174,8 @@ class BatchRunner:
             running.stopping = "cancelled"
         elif fields["status"] in RUNNING and self.clock() >= running.expires_at and running.stopping is None:
             running.stopping = "expired"
-        if running.in_flight:
+        await self._write_answers(running)
+        if running.in_flight or running.unwritten:
             return
         if running.stopping is not None or not running.pending:
             await self._finish(running)
@@ -299,11 +302,23 @@ class BatchRunner:
                "response": {"status_code": status, "request_id": request_id, "body": answer} if status else None,
                "error": None if status else {"code": "engine_unreachable",
                                              "message": f"no engine answered after {MAX_ATTEMPTS} tries"}}
-        ok = 200 <= status < 300
-        if await self.state.answer(running.id, line.custom_id, {"line": line.number, "out": out}, ok) and \
-                self.metrics is not None:
-            self.metrics.batch_requests.labels("completed" if ok else "failed").inc()
+        running.unwritten.append((line.custom_id, {"line": line.number, "out": out}, 200 <= status < 300))
+        await self._write_answers(running)
         self.wake()
+
+    async def _write_answers(self, running: Running) -> None:
+        """Keeps the batch's new answers in Redis; while Redis is away they wait here (the scan tries again), so
+        an answer is neither lost nor asked of the engine twice."""
+        while running.unwritten:
+            key, answer, ok = running.unwritten[0]
+            try:
+                kept = await self.state.answer(running.id, key, answer, ok)
+            except RedisError as err:
+                log.info("batch %s: %d answers wait for Redis: %s", running.id, len(running.unwritten), err)
+                return
+            running.unwritten.pop(0)
+            if kept and self.metrics is not None:
+                self.metrics.batch_requests.labels("completed" if ok else "failed").inc()
 
 
 def _error_line(error: LineError) -> dict:
