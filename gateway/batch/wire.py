@@ -3,7 +3,8 @@ replica, and the routes. Off without --batch-dir; it needs --redis-url (state ev
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -16,7 +17,7 @@ from kvfleet.gateway.limits.access import authenticate, request_tenant
 
 
 class BatchApi:
-    def __init__(self, gateway: Any) -> None:
+    def __init__(self, gateway: Any, clock: Callable[[], float] = time.time) -> None:
         """`gateway`: one fleet's core (gateway/core.py) or a front of several (models/front.py); both answer
         batch_models() (model name -> the core serving it) and hold the API keys."""
         import redis.asyncio
@@ -30,8 +31,8 @@ class BatchApi:
         self.redis = redis.asyncio.Redis.from_url(c.redis_url, socket_timeout=5, socket_connect_timeout=5)
         self.state = BatchState(self.redis, c.fleet)
         self.files = FileStore(settings.directory)
-        self.runner = BatchRunner(self.state, self.files, gateway.batch_models, metrics=gateway.metrics)
-        self.service = BatchService(self.state, self.files, settings, self.tenant_of, self.runner.wake)
+        self.runner = BatchRunner(self.state, self.files, gateway.batch_models, clock=clock, metrics=gateway.metrics)
+        self.service = BatchService(self.state, self.files, settings, self.tenant_of, self.runner.wake, clock)
 
     def tenant_of(self, request_headers: Mapping[str, str]) -> str:
         return request_tenant(authenticate(self.gateway.keys, request_headers), request_headers).name

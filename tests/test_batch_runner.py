@@ -1,0 +1,104 @@
+"""The batch runner in process, against a real engine, a real gateway core and real Redis, with the clock in the
+test's hands: a batch whose window ends keeps the answers given and ends `expired`, every request never sent an
+error line of its own; and tenants take turns, so one tenant's many batches do not crowd out another's one."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvfleet.gateway.batch.lines import Line
+from kvfleet.gateway.batch.runner import BatchRunner, Running
+from kvfleet.gateway.batch.settings import BatchSettings
+from kvfleet.gateway.batch.state import FileRecord
+from kvfleet.gateway.batch.wire import BatchApi
+from kvfleet.gateway.config import GatewayConfig
+from kvfleet.gateway.core import Gateway
+from kvfleet.redis_server import RedisServer
+from tests.conftest import start_engine_server, stop_process
+from tests.test_batch_api import jsonl, request_line
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path):
+    proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "4", "--kv-cache-memory", "16MiB")
+    yield url
+    stop_process(proc)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        import time
+
+        return time.time() + self.offset
+
+
+async def until(check, timeout_s: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await check():
+        assert loop.time() < deadline
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.asyncio
+async def test_a_batch_past_its_window_ends_expired_keeping_what_was_answered(engine: str, tmp_path: Path) -> None:
+    redis = RedisServer().start()
+    clock = Clock()
+    gateway = Gateway(GatewayConfig(engines=[engine], redis_url=redis.url, data_plane="python",
+                                    batch=BatchSettings(str(tmp_path))))
+    await gateway.start()
+    api = BatchApi(gateway, clock)
+    api.start()
+    try:
+        model = httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
+        data = jsonl([request_line(f"r{i}", model, max_tokens=48) for i in range(40)])
+        api.files.put("file-" + "0" * 24, data)
+        await api.state.add_file(FileRecord("file-" + "0" * 24, "t", len(data), int(clock()), "in.jsonl", "batch"))
+        batch = await api.service.create("t", {"input_file_id": "file-" + "0" * 24, "endpoint": "/v1/chat/completions",
+                                               "completion_window": "1m"})
+
+        async def some_answered() -> bool:
+            return (await api.service.retrieve("t", batch["id"]))["request_counts"]["completed"] >= 2
+
+        await until(some_answered)
+        clock.offset = 61.0  # the window has passed
+
+        async def ended() -> bool:
+            return (await api.service.retrieve("t", batch["id"]))["status"] not in ("in_progress", "validating")
+
+        await until(ended)
+        done = await api.service.retrieve("t", batch["id"])
+        assert done["status"] == "expired" and done["expired_at"] >= done["expires_at"]
+        counts = done["request_counts"]
+        assert counts["total"] == 40 and 2 <= counts["completed"] < 40 and counts["completed"] + counts["failed"] == 40
+        output = [json.loads(x) for x in api.files.read(done["output_file_id"]).splitlines()]
+        errors = [json.loads(x) for x in api.files.read(done["error_file_id"]).splitlines()]
+        assert len(output) == counts["completed"] and {e["error"]["code"] for e in errors} == {"batch_expired"}
+        assert sorted(a["custom_id"] for a in output + errors) == sorted(f"r{i}" for i in range(40))
+    finally:
+        await api.stop()
+        await gateway.stop()
+        redis.stop()
+
+
+def test_tenants_take_turns_whatever_their_number_of_batches() -> None:
+    runner = BatchRunner(state=None, files=None, models=None)
+    fleet = object()
+    for batch_id, tenant in (("a1", "a"), ("a2", "a"), ("a3", "a"), ("b1", "b")):
+        running = Running(batch_id, tenant, "/v1/completions", 0, {"m": (fleet, "m")})
+        running.pending.extend((Line(k, f"{batch_id}-{k}", {"model": "m"}), 0) for k in range(4))
+        runner.batches[batch_id] = running
+        if tenant not in runner._turn:
+            runner._turn.append(tenant)
+    order = [runner._next_line(fleet)[0].tenant for _ in range(8)]
+    assert collections.Counter(order) == {"a": 4, "b": 4}  # b's one batch runs as fast as a's three together
+    assert order == ["a", "b"] * 4
