@@ -569,6 +569,35 @@ def test_gateway_rbac_reads_pods_and_only_its_key_secret() -> None:
     assert secret_rule["resourceNames"] == ["kvfleet-api-keys"]
 
 
+def test_the_batch_api_gets_its_flags_its_claim_and_redis() -> None:
+    docs = render(CHART / "ci" / "batch-values.yaml")
+    gateway = container(docs, "gateway")
+    args, _ = parse_cli(gateway)
+    assert args.batch_dir == "/var/lib/kvfleet/batch" and args.batch_max_file_bytes == 52428800
+    assert args.batch_max_active == 8 and args.redis_url
+    mount = next(m for m in gateway["volumeMounts"] if m["mountPath"] == args.batch_dir)
+    pod = one(docs, "Deployment", f"{RELEASE}-kvfleet-gateway")["spec"]["template"]["spec"]
+    claim = next(v for v in pod["volumes"] if v["name"] == mount["name"])["persistentVolumeClaim"]["claimName"]
+    pvc = one(docs, "PersistentVolumeClaim", claim)
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and pvc["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # users' files outlive an uninstall
+    # off by default: no flag, no claim
+    default = render()
+    assert parse_cli(container(default, "gateway"))[0].batch_dir is None
+    assert not [d for d in default if d["kind"] == "PersistentVolumeClaim"]
+    # an existing claim is used, none is made
+    docs = render(CHART / "ci" / "batch-values.yaml", sets=("gateway.batch.existingClaim=shared-files",))
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    pod = one(docs, "Deployment", f"{RELEASE}-kvfleet-gateway")["spec"]["template"]["spec"]
+    assert {"name": "batch-files", "persistentVolumeClaim": {"claimName": "shared-files"}} in pod["volumes"]
+
+
+def test_the_batch_api_without_redis_is_refused_with_a_message() -> None:
+    done = run_helm("template", RELEASE, str(CHART), "--set", "gateway.batch.enabled=true", "--set",
+                    "redis.enabled=false")
+    assert done.returncode != 0 and "gateway.batch.enabled needs Redis" in done.stderr
+
+
 def test_one_gateway_fronts_several_fleets_by_name_or_by_selector() -> None:
     docs = render(CHART / "ci" / "multi-model-values.yaml")
     args, _ = parse_cli(container(docs, "gateway"))

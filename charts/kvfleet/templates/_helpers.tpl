@@ -244,6 +244,16 @@ gateway container alone (the bootstrap needs no secret). */}}
 {{- with $g.apiKeysSecret }}
 - --api-keys-secret={{ include "kvfleet.gateway.fleetNamespace" $ }}/{{ . }}
 {{- end }}
+{{- if $g.batch.enabled }}
+{{- if eq (include "kvfleet.redis.mode" .) "none" }}
+{{- fail "gateway.batch.enabled needs Redis (redis.enabled or redis.external.url): batches and their progress live there" }}
+{{- end }}
+# The Batch API: file bodies on the volume every replica mounts, state in Redis.
+- --batch-dir={{ include "kvfleet.gateway.batchDir" . }}
+- --batch-max-file-bytes={{ int64 $g.batch.maxFileBytes }}
+- --batch-max-lines={{ int64 $g.batch.maxLines }}
+- --batch-max-active={{ int64 $g.batch.maxActive }}
+{{- end }}
 {{- range $g.extraArgs }}
 - {{ . | quote }}
 {{- end }}
@@ -266,4 +276,10 @@ podSelector:
   matchLabels:
     gateway.networking.k8s.io/gateway-name: {{ $ip.gatewayRef.name }}
 {{- end -}}
+{{- end -}}
+
+{{/* Where the gateway keeps the Batch API's files, and the claim they are on. */}}
+{{- define "kvfleet.gateway.batchDir" -}}/var/lib/kvfleet/batch{{- end -}}
+{{- define "kvfleet.gateway.batchClaim" -}}
+{{- default (include "kvfleet.componentName" (list . "batch-files")) .Values.gateway.batch.existingClaim -}}
 {{- end -}}
