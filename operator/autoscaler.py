@@ -26,6 +26,7 @@ from typing import Any
 
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.slo import DEFAULT_SLO_CLASSES, ClassWindow, SloClass
+from kvfleet.operator.batch_demand import BatchBacklog, batch_pods
 from kvfleet.operator.fleet_fields import autoscaling_default
 from kvfleet.operator.planner import UTILIZATION, Capacity, PlannerMemory, measured_capacity, plan
 
@@ -109,6 +110,7 @@ class Observation:
     classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)
     cold_start_s: float | None = None  # measured pod creation -> ready for this fleet; None: not measured yet
     recent_classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)  # as classes, its last quarter
+    batch: tuple[BatchBacklog, ...] = ()  # the Batch API's unfinished batches (operator/batch_demand.py)
 
 
 @dataclass(frozen=True)
@@ -251,27 +253,44 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
         (p.prefill_tokens_per_s, p.decode_tokens_per_s_full_batch) for p in obs.pods))
     capacity = learned if learned is not None else policy.capacity
     planned = None
+    cold_start = obs.cold_start_s if obs.cold_start_s is not None else policy.cold_start_s
+    start_after = cold_start + PERIOD_ALLOWANCE_S
+
+    def batch_extra(leftover_pods: float) -> tuple[float, str]:
+        if not obs.batch or capacity is None:
+            return 0.0, ""
+        return batch_pods(list(obs.batch), capacity, now, start_after, leftover_pods)
+
     if current == 0:
         desired, reason = _from_zero(obs, policy)
+        extra, why = batch_extra(0.0)
+        if extra > 0 and math.ceil(extra) > desired:
+            desired, reason = math.ceil(extra), f"{why}: scale from zero"
         kv_cache_usage_avg, queue = None, float(obs.gateway_queued)
     elif obs.classes and capacity is not None:
-        cold_start = obs.cold_start_s if obs.cold_start_s is not None else policy.cold_start_s
-        horizon = cold_start + PERIOD_ALLOWANCE_S
+        horizon = start_after
         waiting_in_pods = sum(p.waiting or 0 for p in with_metrics)
         planned = plan(now, obs.classes, capacity, waiting_in_pods, horizon, policy.slo, state.planner,
                        policy.planner_utilization, obs.recent_classes)
         kv_cache_usage_avg = sum(kv_values) / len(kv_values) if kv_values else None
         queue = (sum(waiting) + obs.gateway_queued) / max(current, 1)
-        raw = max(1, math.ceil(planned.pods - 1e-9))
+        interactive = sum(planned.inputs["workPods"].values())
+        extra, why = batch_extra(current * policy.planner_utilization - interactive)
+        raw = max(1, math.ceil(planned.pods + extra - 1e-9))
         direction = "up" if raw > current else "down" if raw < current else "hold"
-        desired, reason = _idle(raw, f"{direction}: {planned.reason}", now, level, policy, state)
+        planned.inputs["batchPods"] = round(extra, 3)
+        desired, reason = _idle(raw, f"{direction}: {planned.reason}" + (f"; {why}" if why else ""), now, level,
+                                policy, state, busy=extra > 0)
     else:
         raw, kv_cache_usage_avg, queue = _signal_desired(len(with_metrics), kv_values, waiting, missing,
                                                          obs.gateway_queued, policy)
         reason = _reason(raw, current, kv_cache_usage_avg, queue, policy)
         if missing:
             reason += f"; {missing} pod(s) without metrics"
-        desired, reason = _idle(max(1, raw), reason, now, level, policy, state)  # zero only when idle
+        extra, why = batch_extra(float(current - raw))  # the pods the load signals leave to batch work
+        if extra > 0:
+            raw, reason = raw + math.ceil(extra), f"{reason}; {why}"
+        desired, reason = _idle(max(1, raw), reason, now, level, policy, state, busy=extra > 0)  # zero: when idle
 
     if planned is not None:  # the plan already covers bursts and the cold start: no burst rules, no step caps
         window = min(policy.scale_down_stabilization_s, max(PLANNER_MIN_DOWN_WINDOW_S, 2 * cold_start))
@@ -295,10 +314,11 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
 
 
 def _idle(desired: int, reason: str, now: float, level: float, policy: AutoscalingPolicy,
-          state: AutoscalerState) -> tuple[int, str]:
-    """Zero, with minReplicas 0, once nothing has been in the system for scaleToZeroAfterSeconds."""
+          state: AutoscalerState, busy: bool = False) -> tuple[int, str]:
+    """Zero, with minReplicas 0, once nothing has been in the system for scaleToZeroAfterSeconds (and no batch
+    backlog is at risk: `busy`)."""
     idle_for = now - (state.last_busy if state.last_busy is not None else now)
-    if policy.min_replicas == 0 and level == 0 and idle_for >= policy.scale_to_zero_idle_s:
+    if policy.min_replicas == 0 and level == 0 and not busy and idle_for >= policy.scale_to_zero_idle_s:
         return 0, f"idle for {idle_for:.0f} s: scale to zero"
     return desired, reason
 

@@ -30,7 +30,7 @@ from kvfleet.operator.manifests import (
     drifted,
     selector_string,
 )
-from kvfleet.operator.observe import observe_fleet
+from kvfleet.operator.observe import batch_backlog, observe_fleet
 from kvfleet.operator.planner import demand_windows
 from kvfleet.operator.settings import OperatorConfig
 from kvfleet.operator.slo_status import slo_attainment_status
@@ -170,8 +170,9 @@ class FleetHandlers:
         window_s, recent_s = demand_windows(fleet.autoscaling.stable_window_s)
         classes = await read_class_windows(self.config.redis_url, name, window_s, now)
         recent = await read_class_windows(self.config.redis_url, name, recent_s, now)
+        batch = await batch_backlog(self.config.redis_url, name, now)
         observation = Observation(now, fleet.replicas, tuple(pods), queued, classes=classes, cold_start_s=cold_start_s,
-                                  recent_classes=recent)
+                                  recent_classes=recent, batch=batch)
         decision = recommend(observation, fleet.autoscaling, state)
         patch.status["autoscaler"] = {**state.as_status(), "lastDecision": {
             "time": now_iso(), "desired": decision.desired, "reason": decision.reason,

@@ -10,8 +10,9 @@ from kubernetes import client
 
 from kvfleet.fleet.load import METRICS_QUERY, MetricsParseError, parse_engine_load
 from kvfleet.fleet.pods import pod_endpoint
-from kvfleet.fleet.redis_keys import queue_key
+from kvfleet.fleet.redis_keys import batch_backlog_key, queue_key
 from kvfleet.operator.autoscaler import PodLoad
+from kvfleet.operator.batch_demand import BatchBacklog, parse_backlog
 from kvfleet.operator.fleet_spec import FleetSpec
 from kvfleet.operator.manifests import deployment_name, selector_string
 
@@ -44,6 +45,21 @@ async def gateway_queued(redis_url: str | None, fleet: str) -> int:
     except redis.RedisError as err:
         log.warning("cannot read the gateway queue of %s from Redis: %s", fleet, err)
         return 0
+
+
+async def batch_backlog(redis_url: str | None, fleet: str, now: float) -> tuple[BatchBacklog, ...]:
+    """The Batch API's unfinished work for this fleet, as the gateways report it; none without Redis."""
+    if not redis_url:
+        return ()
+    import redis
+    import redis.asyncio
+
+    try:
+        async with redis.asyncio.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2) as r:
+            return tuple(parse_backlog((await r.hgetall(batch_backlog_key(fleet))).values(), now))
+    except redis.RedisError as err:
+        log.warning("cannot read the batch backlog of %s from Redis: %s", fleet, err)
+        return ()
 
 
 def fleet_pods(fleet: FleetSpec) -> list[dict]:

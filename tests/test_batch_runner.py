@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvfleet.fleet.redis_keys import batch_backlog_key
 from kvfleet.gateway.batch.lines import Line
 from kvfleet.gateway.batch.runner import BatchRunner, Running
 from kvfleet.gateway.batch.settings import BatchSettings
@@ -70,6 +71,11 @@ async def test_a_batch_past_its_window_ends_expired_keeping_what_was_answered(en
             return (await api.service.retrieve("t", batch["id"]))["request_counts"]["completed"] >= 2
 
         await until(some_answered)
+        # the runner reports the unfinished work for the operator's autoscaler (operator/batch_demand.py)
+        await asyncio.sleep(1.2)  # a scan
+        reported = json.loads(await api.redis.hget(batch_backlog_key("default"), batch["id"]))
+        assert 0 < reported["remaining"] < 40 and reported["deadline"] == batch["expires_at"]
+        assert reported["output_tokens"] == 48 and reported["prompt_tokens"] > 0
         clock.offset = 61.0  # the window has passed
 
         async def ended() -> bool:
@@ -84,6 +90,7 @@ async def test_a_batch_past_its_window_ends_expired_keeping_what_was_answered(en
         errors = [json.loads(x) for x in api.files.read(done["error_file_id"]).splitlines()]
         assert len(output) == counts["completed"] and {e["error"]["code"] for e in errors} == {"batch_expired"}
         assert sorted(a["custom_id"] for a in output + errors) == sorted(f"r{i}" for i in range(40))
+        assert await api.redis.hget(batch_backlog_key("default"), batch["id"]) is None  # nothing left to plan for
     finally:
         await api.stop()
         await gateway.stop()

@@ -20,6 +20,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -55,6 +56,8 @@ class Running:
     pending: collections.deque[tuple[Line, int]] = field(default_factory=collections.deque)  # (line, attempts)
     in_flight: int = 0
     unwritten: list[tuple[str, dict, bool]] = field(default_factory=list)  # answers Redis did not take yet
+    # per gateway core (its fleet): (share of the batch's requests, mean prompt tokens, mean output tokens)
+    shape: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     stopping: str | None = None  # "cancelled" or "expired": send nothing more, finish when in flight is done
 
 
@@ -130,6 +133,16 @@ class BatchRunner:
                 if running is None:
                     continue
             await self._check(running, fields)
+            if batch_id in self.batches:
+                await self._report(running)
+
+    async def _report(self, running: Running) -> None:
+        """The batch's unfinished work for each fleet it runs on, for the operator's autoscaler (batch_demand.py)."""
+        remaining = len(running.pending) + running.in_flight
+        for fleet, (share, prompt, output) in running.shape.items():
+            await self.state.report_backlog(fleet, running.id, {
+                "remaining": math.ceil(remaining * share), "prompt_tokens": prompt, "output_tokens": output,
+                "deadline": running.expires_at, "reported_at": self.clock()})
 
     async def _take(self, batch_id: str, fields: dict) -> Running | None:
         """Reads the batch's input and what is already answered; validates it first if it is new."""
@@ -159,6 +172,7 @@ class BatchRunner:
                     await self.state.answer(batch_id, f"line:{line.number}", _error_line(line), ok=False)
             await self.state.set_fields(batch_id, total=len(lines))
             await self.state.transition(batch_id, ("validating",), "in_progress", int(self.clock()))
+        running.shape = _shape([line for line in lines if isinstance(line, Line)], cores)
         answered = await self.state.answered(batch_id)
         running.pending.extend((line, 0) for line in lines if isinstance(line, Line)
                                and line.custom_id not in answered)
@@ -207,6 +221,8 @@ class BatchRunner:
         else:
             await self.state.transition(running.id, (*RUNNING, "cancelling"), end, int(self.clock()), **file_ids)
         await self.state.drop_answers(running.id)
+        for fleet in running.shape:
+            await self.state.report_backlog(fleet, running.id, None)
         await self.state.finished(running.id)
         await self.state.release(running.id, self.owner)
         self.batches.pop(running.id, None)
@@ -325,3 +341,22 @@ def _error_line(error: LineError) -> dict:
     """An error-file line for a request that never ran."""
     return {"line": error.number, "out": {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": error.custom_id,
                                           "response": None, "error": {"code": error.code, "message": error.message}}}
+
+
+DEFAULT_OUTPUT_TOKENS = 256  # a request without max_tokens, as the autoscaler sizes its work
+
+
+def _shape(lines: list[Line], cores: dict[str, tuple[Any, str]]) -> dict[str, tuple[float, float, float]]:
+    """Per fleet (a gateway core's fleet name): its share of the lines, their mean prompt tokens (about four
+    characters a token) and mean output tokens (max_tokens)."""
+    sums: dict[str, list[float]] = {}
+    for line in lines:
+        fleet = cores[line.body["model"]][0].config.fleet
+        text = line.body.get("prompt") if "prompt" in line.body else line.body.get("messages")
+        prompt = len(json.dumps(text)) / 4
+        output = line.body.get("max_completion_tokens") or line.body.get("max_tokens") or DEFAULT_OUTPUT_TOKENS
+        acc = sums.setdefault(fleet, [0.0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += prompt
+        acc[2] += output
+    return {fleet: (n / max(1, len(lines)), p / n, o / n) for fleet, (n, p, o) in sums.items()}

@@ -180,6 +180,14 @@ class BatchState:
         key = (redis_keys.batch_results_key if ok else redis_keys.batch_errors_key)(self.fleet, batch_id)
         return [json.loads(v) for v in (await self.redis.hgetall(key)).values()]
 
+    async def report_backlog(self, fleet: str, batch_id: str, backlog: dict | None) -> None:
+        """A batch's unfinished work on `fleet`'s engines (None: it has none left), for the operator's autoscaler."""
+        key = redis_keys.batch_backlog_key(fleet)
+        if backlog is None:
+            await self.redis.hdel(key, batch_id)
+        else:
+            await self.redis.hset(key, batch_id, json.dumps(backlog))
+
     async def drop_answers(self, batch_id: str) -> None:
         """Once the output and error files are written, the answers leave Redis."""
         await self.redis.delete(redis_keys.batch_results_key(self.fleet, batch_id),

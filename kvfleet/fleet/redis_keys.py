@@ -145,3 +145,9 @@ def batch_results_key(fleet: str, batch_id: str) -> str:
 def batch_errors_key(fleet: str, batch_id: str) -> str:
     """Hash: custom_id (or line:N) -> the error file's line (JSON), written once."""
     return key_prefix(fleet) + f"batch:{batch_id}:errors"
+
+
+def batch_backlog_key(fleet: str) -> str:
+    """Hash: batch id -> its unfinished work for this fleet's engines (JSON: remaining, prompt_tokens, output_tokens,
+    deadline, reported_at), which the gateway runners report and the operator's autoscaler reads."""
+    return key_prefix(fleet) + "batch:backlog"
