@@ -15,6 +15,7 @@ from kvfleet.gateway.batch.settings import (
     DEFAULT_MAX_ACTIVE,
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_LINES,
+    DEFAULT_SHARE,
     BatchSettings,
 )
 from kvfleet.gateway.config import (
@@ -158,6 +159,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     b.add_argument("--batch-max-lines", type=int, default=DEFAULT_MAX_LINES, help="requests in one input file")
     b.add_argument("--batch-max-active", type=int, default=DEFAULT_MAX_ACTIVE,
                    help="a tenant's unfinished batches; beyond: 429")
+    b.add_argument("--batch-share", type=float, default=DEFAULT_SHARE,
+                   help="the most of each engine's batch slots (max_num_seqs) batch requests hold at once")
     lim = d0.http_limits
     c = p.add_argument_group("client and engine limits")
     c.add_argument("--max-header-count", type=int, default=lim.max_header_count, help="more headers: 431")
@@ -213,5 +216,6 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         upstream_idle_timeout_s=args.upstream_idle_timeout, engine_unreachable_after_s=args.engine_unreachable_after,
         http_limits=HttpLimits(args.max_header_count, args.max_header_bytes, args.header_timeout, args.body_timeout,
                                args.max_connections),
-        batch=BatchSettings(args.batch_dir, args.batch_max_file_bytes, args.batch_max_lines, args.batch_max_active)
+        batch=BatchSettings(args.batch_dir, args.batch_max_file_bytes, args.batch_max_lines, args.batch_max_active,
+                            args.batch_share)
         if args.batch_dir else None)

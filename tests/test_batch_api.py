@@ -184,3 +184,24 @@ def test_a_flood_of_batches_is_capped_per_tenant_and_a_finished_batch_cannot_be_
         assert wait_done(c, b.id).status == "completed"
     with pytest.raises(openai.ConflictError):
         c.batches.cancel(batches[1].id)
+
+
+def test_the_batch_api_answers_through_envoy_too(engine: str, redis_url: str, model: str, tmp_path: Path) -> None:
+    """With Envoy carrying the bytes, /v1/files and /v1/batches go to the gateway's own app (uploads included)."""
+    proc, url = start_gateway("--engine", engine, "--redis-url", redis_url, "--batch-dir", str(tmp_path),
+                              "--data-plane", "envoy", "--fleet", "through-envoy", "--batch-max-file-bytes",
+                              str(MAX_FILE_BYTES), timeout=90.0)
+    try:
+        wait_until_routable(url)
+        c = client(url, "envoy-tenant")
+        uploaded = c.files.create(file=("e.jsonl", jsonl([request_line(f"e{i}", model) for i in range(3)])),
+                                  purpose="batch")
+        done = wait_done(c, c.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h").id)
+        assert done.status == "completed" and done.request_counts.completed == 3
+        assert len(output_lines(c, done.output_file_id)) == 3
+        with pytest.raises(openai.APIStatusError) as big:
+            c.files.create(file=("big.jsonl", b"x" * (4 * MAX_FILE_BYTES)), purpose="batch")
+        assert big.value.status_code == 413
+    finally:
+        stop_process(proc)

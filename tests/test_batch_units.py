@@ -98,11 +98,18 @@ POLICY = SaturationPolicy()
 
 
 def test_batch_work_takes_only_free_slots_less_a_reserve() -> None:
-    room = BatchRoom(reserve_fraction=0.25)
+    room = BatchRoom(reserve_fraction=0.25, share=1.0)
     assert batch_targets([engine("idle"), engine("busy", running=5)], 0, {}, POLICY, room) == {"idle": 6, "busy": 1}
     # its own requests in flight count against the room until the scrape shows them
     assert batch_targets([engine("idle")], 0, {"idle": 4}, POLICY, room) == {"idle": 2}
     assert batch_targets([engine("idle", in_flight=6)], 0, {}, POLICY, room) == {}
+
+
+def test_batch_work_holds_at_most_its_share_of_an_engines_slots() -> None:
+    room = BatchRoom(reserve_fraction=0.25, share=0.25)
+    assert batch_targets([engine("idle")], 0, {}, POLICY, room) == {"idle": 2}  # 8 slots x 0.25
+    assert batch_targets([engine("idle", running=1)], 0, {"idle": 1}, POLICY, room) == {"idle": 1}
+    assert batch_targets([engine("idle", running=2)], 0, {"idle": 2}, POLICY, room) == {}
 
 
 def test_no_batch_work_while_interactive_requests_wait_or_where_an_engine_is_saturated() -> None:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvfleet.gateway.batch.settings import DEFAULT_SHARE
 from kvfleet.gateway.routing.pick import EndpointSnapshot, SaturationPolicy
 
 BATCH_ENGINE_PRIORITY = 10  # below every interactive class's (vLLM's semantics: lower runs first)
@@ -26,6 +27,10 @@ class BatchRoom:
     reserve_fraction: float = 0.25  # of an engine's batch slots, never given to batch work
     min_reserve: int = 1
     unknown_capacity_slots: int = 1  # batch requests an engine may hold when it does not say its batch size
+    # the most of an engine's batch slots batch work holds at once: where a step's time grows with its batch (CPUs;
+    # GPUs far less), every batch sequence slows the interactive ones beside it (docs/benchmarks.md, "Batch API":
+    # on 2 CPU cores 0.5 took 0.93x the idle capacity at 2.5x the interactive p99 TTFT, 0.25 0.75x at 1.65x)
+    share: float = DEFAULT_SHARE
 
     def reserve(self, max_num_seqs: int) -> int:
         return max(self.min_reserve, math.ceil(max_num_seqs * self.reserve_fraction))
@@ -35,7 +40,8 @@ class BatchRoom:
         if e.max_num_seqs is None:
             return max(0, self.unknown_capacity_slots - batch_in_flight)
         held = e.num_running + e.num_waiting + e.in_flight
-        return max(0, e.max_num_seqs - self.reserve(e.max_num_seqs) - max(held, batch_in_flight))
+        free = e.max_num_seqs - self.reserve(e.max_num_seqs) - max(held, batch_in_flight)
+        return max(0, min(free, math.floor(e.max_num_seqs * self.share) - batch_in_flight))
 
 
 def batch_targets(endpoints: Sequence[EndpointSnapshot], interactive_queued: int, batch_in_flight: dict[str, int],

@@ -281,10 +281,15 @@ class BatchRunner:
     def _send(self, fleet: Any, url: str, running: Running, line: Line, attempts: int) -> None:
         running.in_flight += 1
         self.in_flight[url] += 1
+        self._count_in_flight()
         fleet.pool.record_dispatch(url)
         task = asyncio.create_task(self._request(fleet, url, running, line, attempts))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
+
+    def _count_in_flight(self) -> None:
+        if self.metrics is not None:
+            self.metrics.batch_in_flight.set(sum(self.in_flight.values()))
 
     async def _request(self, fleet: Any, url: str, running: Running, line: Line, attempts: int) -> None:
         body = {**line.body, "model": running.cores[line.body["model"]][1]}
@@ -307,6 +312,7 @@ class BatchRunner:
             self.in_flight[url] -= 1
             if self.in_flight[url] <= 0:
                 del self.in_flight[url]
+            self._count_in_flight()
             # the engine's health as the proxy counts it: a failure to answer or a 5xx counts against it
             fleet.pool.record_done(url, status != 0 and status < 500 if status < 400 or status >= 500 else None)
         if status == 0 or status in RETRY_STATUSES:

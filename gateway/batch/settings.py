@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DEFAULT_MAX_FILE_BYTES = 100 * 1024 * 1024
 DEFAULT_MAX_LINES = 50_000  # requests in one input file (OpenAI's)
 DEFAULT_MAX_ACTIVE = 16  # a tenant's unfinished batches
+DEFAULT_SHARE = 0.25  # of each engine's batch slots, the most batch work holds (gateway/batch/capacity.py)
 
 
 @dataclass(frozen=True)
@@ -15,9 +16,12 @@ class BatchSettings:
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # an upload over it: 413
     max_lines: int = DEFAULT_MAX_LINES
     max_active: int = DEFAULT_MAX_ACTIVE
+    share: float = DEFAULT_SHARE
 
     def __post_init__(self) -> None:
         for flag, value in (("--batch-max-file-bytes", self.max_file_bytes), ("--batch-max-lines", self.max_lines),
                             ("--batch-max-active", self.max_active)):
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, not {value}")
+        if not 0 < self.share <= 1:
+            raise ValueError(f"--batch-share must be a fraction in (0, 1], not {self.share}")

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from kvfleet.gateway.batch.api import BatchService, install_batch_routes
+from kvfleet.gateway.batch.capacity import BatchRoom
 from kvfleet.gateway.batch.files import FileStore
 from kvfleet.gateway.batch.runner import BatchRunner
 from kvfleet.gateway.batch.state import BatchState
@@ -31,7 +32,8 @@ class BatchApi:
         self.redis = redis.asyncio.Redis.from_url(c.redis_url, socket_timeout=5, socket_connect_timeout=5)
         self.state = BatchState(self.redis, c.fleet)
         self.files = FileStore(settings.directory)
-        self.runner = BatchRunner(self.state, self.files, gateway.batch_models, clock=clock, metrics=gateway.metrics)
+        self.runner = BatchRunner(self.state, self.files, gateway.batch_models, BatchRoom(share=settings.share),
+                                  clock=clock, metrics=gateway.metrics)
         self.service = BatchService(self.state, self.files, settings, self.tenant_of, self.runner.wake, clock)
 
     def tenant_of(self, request_headers: Mapping[str, str]) -> str:
