@@ -54,7 +54,8 @@ def test_a_replica_killed_and_redis_restarted_mid_batch_lose_and_repeat_nothing(
         second, second_url = replica(engine, redis.url, store)  # waits: the first replica holds the batch
         first.kill()  # SIGKILL: no goodbye, its lease lapses
         first.wait(timeout=10)
-        survivor = OpenAI(base_url=f"{second_url}/v1", api_key="none", max_retries=0, timeout=60)
+        # the openai client's own retries (2 by default) ride out the second Redis is away (503, Retry-After)
+        survivor = OpenAI(base_url=f"{second_url}/v1", api_key="none", max_retries=3, timeout=60)
         at_kill = survivor.batches.retrieve(batch.id).request_counts.completed
         assert at_kill < REQUESTS, "the batch ended before the kill; give it more work"
         deadline = time.monotonic() + 60
@@ -63,6 +64,9 @@ def test_a_replica_killed_and_redis_restarted_mid_batch_lose_and_repeat_nothing(
             time.sleep(0.2)
         assert survivor.batches.retrieve(batch.id).status == "in_progress"
         redis.stop()  # Redis goes away under the survivor's runner, and comes back with its data
+        away = httpx.get(f"{second_url}/v1/batches/{batch.id}", timeout=30)
+        assert away.status_code == 503 and away.headers["retry-after"] == "2"
+        assert "retry shortly" in away.json()["error"]["message"]
         time.sleep(1.0)
         redis.start()
         done = wait_done(survivor, batch.id, timeout_s=120)

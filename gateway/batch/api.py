@@ -16,9 +16,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
+from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
 from kvfleet.gateway.batch.files import FileStore, new_batch_id, new_file_id
 from kvfleet.gateway.batch.lines import ENDPOINTS
@@ -118,7 +120,7 @@ class BatchService:
         if active >= self.limits.max_active:
             raise APIError(429, f"{active} of your batches are unfinished, this gateway's most per tenant; wait for "
                                 "one to finish or cancel one", "rate_limit_error", code="too_many_batches",
-                           headers={"retry-after": "30"})
+                           headers={headers.RETRY_AFTER: "30"})
         now = int(self.clock())
         batch_id = new_batch_id()
         record = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": body["completion_window"],
@@ -175,6 +177,13 @@ async def _json_body(request: Request) -> Any:
 def install_batch_routes(app: FastAPI, service: BatchService) -> None:
     def tenant(request: Request) -> str:
         return service.tenant_of(request.headers)
+
+    @app.exception_handler(RedisError)
+    async def state_away(_: Request, err: RedisError) -> JSONResponse:
+        """Redis (the batches' state) away: nothing is lost, the call can be made again shortly."""
+        return APIError(503, f"the batch state store is unavailable ({type(err).__name__}); retry shortly",
+                        "service_unavailable", code="batch_state_unavailable",
+                        headers={headers.RETRY_AFTER: "2"}).response()
 
     @app.post("/v1/files")
     async def upload_file(request: Request) -> JSONResponse:

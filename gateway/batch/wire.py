@@ -29,7 +29,16 @@ class BatchApi:
             raise ValueError("--batch-dir needs --redis-url: batches and their progress live in Redis, shared by "
                              "every gateway replica")
         self.gateway = gateway
-        self.redis = redis.asyncio.Redis.from_url(c.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
+        # a connection Redis dropped (a restart) is made again and the command retried, a few times, not failed
+        self.redis = redis.asyncio.Redis.from_url(
+            c.redis_url, socket_timeout=5, socket_connect_timeout=5,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self.state = BatchState(self.redis, c.fleet)
         self.files = FileStore(settings.directory)
         self.runner = BatchRunner(self.state, self.files, gateway.batch_models, BatchRoom(share=settings.share),
