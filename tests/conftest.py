@@ -131,6 +131,14 @@ def stop_process(proc, timeout: float = 30.0) -> None:
     proc.stop(timeout)
 
 
+@pytest.fixture(scope="session")
+def batch_engine(tiny_model_dir: Path):
+    """A tiny-model engine of 4 sequences the Batch API's test modules share (test_batch_*.py): it only answers."""
+    proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "4", "--kv-cache-memory", "16MiB")
+    yield url
+    stop_process(proc)
+
+
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_dir: Path):
     proc, url = start_engine_server(tiny_model_dir)

@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from kvfleet.redis_server import RedisServer
-from tests.conftest import start_engine_server, start_gateway, stop_process
+from tests.conftest import start_gateway, stop_process
 from tests.test_gateway_proxy import wait_until_routable
 
 MAX_FILE_BYTES = 64 * 1024
@@ -30,10 +30,8 @@ def redis_url():
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path):
-    proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "4", "--kv-cache-memory", "16MiB")
-    yield url
-    stop_process(proc)
+def engine(batch_engine: str) -> str:
+    return batch_engine
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,16 @@ import pytest
 from openai import OpenAI
 
 from kvfleet.redis_server import RedisServer
-from tests.conftest import start_engine_server, start_gateway, stop_process
+from tests.conftest import start_gateway, stop_process
 from tests.test_batch_api import jsonl, request_line, wait_done
 from tests.test_gateway_proxy import wait_until_routable
 
 REQUESTS = 80
 
 
-@pytest.fixture
-def engine(tiny_model_dir: Path):
-    proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "4", "--kv-cache-memory", "16MiB")
-    yield url
-    stop_process(proc)
+@pytest.fixture(scope="module")
+def engine(batch_engine: str) -> str:
+    return batch_engine
 
 
 def replica(engine: str, redis_url: str, store: Path):

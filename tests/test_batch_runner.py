@@ -21,15 +21,12 @@ from kvfleet.gateway.batch.wire import BatchApi
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.core import Gateway
 from kvfleet.redis_server import RedisServer
-from tests.conftest import start_engine_server, stop_process
 from tests.test_batch_api import jsonl, request_line
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path):
-    proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "4", "--kv-cache-memory", "16MiB")
-    yield url
-    stop_process(proc)
+def engine(batch_engine: str) -> str:
+    return batch_engine
 
 
 class Clock:

@@ -164,8 +164,7 @@ def test_through_the_gateway_each_adapter_sticks_to_the_engine_where_it_is_activ
     assert tokens[("sql", "prompt")] > 0 and tokens[("poet", "prompt")] > 0
 
 
-def test_a_gateway_of_several_models_sends_an_adapter_to_its_base_models_fleet(fleet, tiny_model_dir) -> None:
-    _, engines = fleet
+def test_a_gateway_of_several_models_sends_an_adapter_to_its_base_models_fleet(engines, tiny_model_dir) -> None:
     base = str(tiny_model_dir)  # the engines' served name
     gateway, url = start_gateway("--engine", f"{base}={engines[0]}", "--engine", f"other={engines[1]}")
     try:

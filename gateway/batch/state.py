@@ -37,7 +37,7 @@ if ARGV[3] == '1' then into = KEYS[1] end
 redis.call('HSET', into, ARGV[1], ARGV[2])
 return 1
 """
-LEASE_MS = 10_000  # a runner renews every second; a dead one's batch is taken over after this long
+LEASE_MS = 5_000  # a runner renews every second; a dead one's batch is taken over after this long
 
 
 @dataclass(frozen=True)
