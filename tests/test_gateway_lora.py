@@ -41,13 +41,13 @@ def test_the_newest_lora_sample_is_read_under_either_name() -> None:
     assert parse_engine_load(LOAD).lora is None  # no adapters served
 
 
-@pytest.mark.parametrize("line", [
-    info_line("kvfleet_lora_requests_info", 1.0, "a", max_lora="many"),
-    info_line("kvfleet_lora_requests_info", 1.0, ",".join(f"a{i}" for i in range(2000))),
-    info_line("kvfleet_lora_requests_info", 1.0, "a", max_lora="0"),
+@pytest.mark.parametrize(("line", "says"), [
+    (info_line("kvfleet_lora_requests_info", 1.0, "a", max_lora="many"), "no whole-number max_lora"),
+    (info_line("kvfleet_lora_requests_info", 1.0, ",".join(f"a{i}" for i in range(2000))), "more than"),
+    (info_line("kvfleet_lora_requests_info", 1.0, "a", max_lora="0"), "max_lora 0 is not from 1"),
 ])
-def test_a_lora_gauge_no_engine_would_write_is_not_believed(line: str) -> None:
-    with pytest.raises(MetricsParseError):
+def test_a_lora_gauge_no_engine_would_write_is_not_believed(line: str, says: str) -> None:
+    with pytest.raises(MetricsParseError, match=says):
         parse_engine_load(LOAD + line)
 
 

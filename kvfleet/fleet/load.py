@@ -105,10 +105,12 @@ def parse_lora_info(labels: str) -> LoraInfo:
         max_loras = int(values.get("max_lora", ""))
     except ValueError:
         raise MetricsParseError("lora_requests_info has no whole-number max_lora label") from None
+    if not 0 < max_loras <= MAX_ADAPTERS_LISTED:
+        raise MetricsParseError(f"lora_requests_info's max_lora {max_loras} is not from 1 to {MAX_ADAPTERS_LISTED}")
     adapters = {}
     for key in ("running_lora_adapters", "waiting_lora_adapters"):
         names = [n for n in values.get(key, "").split(",") if n]
-        if len(names) > MAX_ADAPTERS_LISTED or not 0 < max_loras <= MAX_ADAPTERS_LISTED:
+        if len(names) > MAX_ADAPTERS_LISTED:
             raise MetricsParseError(f"lora_requests_info lists more than {MAX_ADAPTERS_LISTED} adapters")
         adapters[key] = frozenset(names)
     return LoraInfo(max_loras, adapters["running_lora_adapters"], adapters["waiting_lora_adapters"])
