@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
-from bench.fleet_procs import model_dir, spawn, wait_for
+from bench.fleet_procs import latency_stats, model_dir, spawn, wait_for
 from kvfleet.fleet.engine_settings import EngineSettings
 from kvfleet.fleet.ports import free_port
 from kvfleet.loadgen import LoadSpec, make_prompts, run_load
@@ -40,16 +40,6 @@ from kvfleet.redis_server import RedisServer
 
 OUTPUT_TOKENS, PROMPT_WORDS = 32, 48
 TTFT_TARGET, THROUGHPUT_TARGET = 1.15, 0.8
-
-
-def stats(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    if not ordered:
-        return {}
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-    return {"mean": sum(ordered) / len(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
 
 
 def interactive(url: str, rate: float, window_s: float, seed: int) -> dict:
@@ -61,7 +51,7 @@ def interactive(url: str, rate: float, window_s: float, seed: int) -> dict:
     ok = [r for r in records if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     return {"requests": len(records), "completed": len(ok), "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed,
-            "ttft": stats([r.ttft_s for r in ok if r.ttft_s is not None])}
+            "ttft": latency_stats([r.ttft_s for r in ok if r.ttft_s is not None])}
 
 
 def batch_lines(model: str, n: int, seed: int) -> bytes:

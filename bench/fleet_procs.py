@@ -41,6 +41,17 @@ def model_dir(model: str) -> Path:
     return out
 
 
+def latency_stats(values: list[float]) -> dict[str, float]:
+    """Mean and nearest-rank p50/p90/p99 of latencies (seconds); {} for none."""
+    ordered = sorted(values)
+    if not ordered:
+        return {}
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return {"mean": sum(ordered) / len(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
 def spawn(name: str, args: list[str], url: str, log_dir: Path) -> Child:
     """`python -m kvfleet.cli <args>`, one thread for torch, output into <log_dir>/<name>.log."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

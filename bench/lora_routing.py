@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.fleet_procs import model_dir, spawn, wait_for
+from bench.fleet_procs import latency_stats, model_dir, spawn, wait_for
 from kvfleet.engine.lora_example import write_example_adapter
 from kvfleet.fleet import metrics as names
 from kvfleet.fleet.engine_settings import EngineSettings
@@ -44,16 +44,6 @@ def engine_args(model: Path, port: int, adapters: dict[str, Path], seqs: int) ->
     return ["engine", *settings.to_args(), "--host", "127.0.0.1", "--port", str(port), "--enable-lora",
             "--max-loras", str(HELD), "--max-cpu-loras", str(HELD), "--max-lora-rank", str(RANK),
             "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
-
-
-def stats(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    if not ordered:
-        return {}
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-    return {"mean": sum(ordered) / len(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
 
 
 def counters(urls: list[str]) -> dict[str, float]:
@@ -97,7 +87,7 @@ def run_policy(policy: str, args: argparse.Namespace, model: Path, adapters: dic
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     per_1k = {name: 1000 * (after[name] - before[name]) / max(1, len(ok)) for name in COUNTERS}
     result = {"completed": len(ok), "failed": len(records) - len(ok),
-              "ttft": stats(ttfts), "e2e_mean_s": sum(r.e2e_s for r in ok) / max(1, len(ok)),
+              "ttft": latency_stats(ttfts), "e2e_mean_s": sum(r.e2e_s for r in ok) / max(1, len(ok)),
               "adapter_reads_per_1k": per_1k[names.LORA_ADAPTER_READS],
               "slot_loads_per_1k": per_1k[names.LORA_SLOT_LOADS]}
     print(f"{policy:14s} ttft mean {result['ttft']['mean'] * 1000:.0f} ms p90 {result['ttft']['p90'] * 1000:.0f} ms  "

@@ -154,6 +154,21 @@ def test_hostile_calls_get_a_clear_4xx(gateway: str, model: str, make, status: i
     assert refused.value.status_code == status and says in refused.value.message
 
 
+@pytest.mark.parametrize(("raw", "says"), [
+    (b'{"input_file_id": "%s", "endpoint": "/v1/chat/completions", "completion_window": "24h", '
+     b'"metadata": {"k": "\\ud800"}}', "surrogate"),
+    (b'{"input_file_id": ' + b"[" * 200 + b"]" * 200 + b"}", "nests deeper"),
+    (b"\xff\xfe not json", "not valid JSON"),
+])
+def test_a_body_that_is_not_unicode_json_gets_a_400(gateway: str, model: str, raw: bytes, says: str) -> None:
+    c = client(gateway, "hostile")
+    if b"%s" in raw:
+        raw = raw.replace(b"%s", upload(c, model).encode())
+    refused = httpx.post(f"{gateway}/v1/batches", content=raw, headers={"x-kvfleet-tenant": "hostile"}, timeout=30)
+    assert refused.status_code == 400 and says in refused.json()["error"]["message"]
+    assert not [b for b in c.batches.list().data if b.metadata]  # nothing was kept
+
+
 def upload(c: OpenAI, model: str) -> str:
     return c.files.create(file=("a.jsonl", jsonl([request_line("a", model)])), purpose="batch").id
 

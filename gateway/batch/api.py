@@ -9,7 +9,6 @@ the flooder, not the fleet.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
+from kvfleet.fleet.openai_schema import RequestSchemaError, check_json_value, parse_json
 from kvfleet.gateway.batch.files import FileStore, new_batch_id, new_file_id
 from kvfleet.gateway.batch.lines import ENDPOINTS
 from kvfleet.gateway.batch.objects import (
@@ -168,10 +168,14 @@ def _measure(file: Any) -> tuple[int, int]:
 
 
 async def _json_body(request: Request) -> Any:
+    """The body as JSON, refused (400) where it is not, nests too deep, or holds text that is not Unicode (a lone
+    surrogate in metadata would make every later answer about the batch unencodable)."""
     try:
-        return json.loads(await request.body())
-    except (ValueError, RecursionError):
-        raise APIError(400, "the body is not valid JSON; send a JSON object") from None
+        body = parse_json(await request.body())
+        check_json_value(body)
+    except RequestSchemaError as err:
+        raise APIError(400, err.message, param=err.param) from None
+    return body
 
 
 def install_batch_routes(app: FastAPI, service: BatchService) -> None:

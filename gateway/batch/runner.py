@@ -166,7 +166,7 @@ class BatchRunner:
             return None
         lines = await asyncio.to_thread(lambda: list(read_lines(data, record["endpoint"], cores.__contains__)))
         running = Running(batch_id, fields["tenant"], record["endpoint"], int(record["expires_at"]), cores)
-        if status == "validating":
+        if status == "validating" or "total" not in fields:  # new, or cancelled before it was validated
             for line in lines:
                 if isinstance(line, LineError):
                     await self.state.answer(batch_id, f"line:{line.number}", _error_line(line), ok=False)
