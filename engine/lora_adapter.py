@@ -84,6 +84,13 @@ def parse_adapter_config(raw: object, max_rank: int) -> tuple[int, float, frozen
 
 def read_adapter(name: str, directory: Path, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraAdapter:
     """The adapter in `directory`, every tensor checked against the base model's shapes before it is kept."""
+    try:
+        return _read_adapter(name, directory, config, max_rank, dtype)
+    except OSError as err:  # unreadable, a name too long, a directory swapped mid-read
+        raise AdapterError(f"the adapter {name!r} in {directory} cannot be read: {err.strerror or err}") from None
+
+
+def _read_adapter(name: str, directory: Path, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraAdapter:
     from safetensors import SafetensorError, safe_open
 
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE

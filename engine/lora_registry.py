@@ -90,8 +90,14 @@ class LoraRegistry:
         if name in self.reserved_names:
             raise AdapterError(f"{name!r} is the base model's name; give the adapter another")
         check_name(name)
+        if "\x00" in str(path):
+            raise AdapterError("the adapter path has a NUL byte; name a directory")
         directory = Path(path)
-        if check_allowed and not inside_allowed(directory, self.allowed_dirs):
+        try:
+            outside = check_allowed and not inside_allowed(directory, self.allowed_dirs)
+        except (OSError, RuntimeError) as err:  # a symlink loop, a name too long
+            raise AdapterError(f"the adapter path {str(path)[:300]!r} cannot be resolved: {err}") from None
+        if outside:
             raise AdapterError(f"the adapter path {str(path)!r} is outside the directories adapters may be loaded "
                                "from (--lora-allowed-dirs)")
         with self._lock:

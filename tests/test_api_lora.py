@@ -46,6 +46,8 @@ def dirs(tiny_model_dir: Path, smollm2_dir: Path, tmp_path_factory: pytest.TempP
     (allowed / "escape").symlink_to(root / "outside")
     found["escape"] = allowed / "escape"
     found["traversal"] = allowed / ".." / "outside"
+    (allowed / "loop").symlink_to(allowed / "loop")
+    found["loop"] = allowed / "loop"
     found["allowed"] = allowed
     return found
 
@@ -130,6 +132,9 @@ def test_an_adapter_loaded_at_run_time_answers_and_unloaded_is_gone(engine: str,
     (lambda d: {"lora_name": "x", "lora_path": str(d["corrupt"])}, "not a readable safetensors file"),
     (lambda d: {"lora_name": "x", "lora_path": str(d["unknown-target"])}, "not projections of a Llama layer"),
     (lambda d: {"lora_name": "x", "lora_path": str(d["allowed"] / "missing")}, "has no adapter_config.json"),
+    (lambda d: {"lora_name": "x", "lora_path": str(d["allowed"]) + "/\x00"}, "NUL byte"),
+    (lambda d: {"lora_name": "x", "lora_path": str(d["loop"])}, "cannot be resolved"),  # a symlink to itself
+    (lambda d: {"lora_name": "x", "lora_path": str(d["allowed"] / ("n" * 300))}, "cannot be read"),  # a name too long
     (lambda d: {"lora_name": "sql", "lora_path": str(d["late"])}, "already loaded"),
     (lambda d: {"lora_name": "../../etc", "lora_path": str(d["late"])}, "an adapter's name is"),
     (lambda d: {"lora_name": "x" * 300, "lora_path": str(d["late"])}, "lora_name"),
