@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvfleet.autoscale_replay.batch import JOB_COLUMNS, read_jobs_csv
 from kvfleet.autoscale_replay.engine_model import EngineModel
 from kvfleet.autoscale_replay.replay import POLICY_NAMES, Settings, replay
 from kvfleet.autoscale_replay.report import chart, format_table
@@ -26,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"CSV with a header row and the columns {','.join(COLUMNS)} (t: seconds from start; "
                              "priority: critical, standard or sheddable); other columns are ignored")
     source.add_argument("--workload", choices=list(WORKLOADS), help="a bundled workload (--list-workloads)")
+    p.add_argument("--batch-jobs", type=Path, metavar="FILE",
+                   help=f"CSV of Batch API jobs to run beside the trace, one per row: {','.join(JOB_COLUMNS)} (t: "
+                        "seconds from start when the batch is created; requests, and each one's prompt and output "
+                        "tokens; window_s: its completion window); the replay lasts until the last deadline")
     p.add_argument("--list-workloads", action="store_true", help="describe the bundled workloads and exit")
     p.add_argument("--seed", type=int, default=0, help="of a bundled workload")
     p.add_argument("--policy", action="append", choices=POLICY_NAMES, metavar="NAME",
@@ -58,10 +63,14 @@ def list_workloads() -> str:
 
 def load_trace(args: argparse.Namespace) -> tuple[Trace, str]:
     if args.trace is not None:
-        return read_csv(args.trace), str(args.trace)
-    if args.workload is not None:
-        return WORKLOADS[args.workload](args.seed), f"workload {args.workload} (seed {args.seed})"
-    raise ValueError("give --trace FILE (a CSV) or --workload NAME (--list-workloads names them)")
+        trace, source = read_csv(args.trace), str(args.trace)
+    elif args.workload is not None:
+        trace, source = WORKLOADS[args.workload](args.seed), f"workload {args.workload} (seed {args.seed})"
+    else:
+        raise ValueError("give --trace FILE (a CSV) or --workload NAME (--list-workloads names them)")
+    if args.batch_jobs is None:
+        return trace, source
+    return trace.with_jobs(read_jobs_csv(args.batch_jobs)), f"{source} with the batch jobs of {args.batch_jobs}"
 
 
 def run(args: argparse.Namespace) -> int:

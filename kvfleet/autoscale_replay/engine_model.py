@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from kvfleet.fleet.priority import Priority, engine_priority
+from kvfleet.gateway.batch.capacity import BATCH_ENGINE_PRIORITY
 from kvfleet.operator.autoscaler import PodLoad
 
 MEAN_PROMPT_TOKENS = 136  # the engine benchmark's prompts: uniform 16-256
@@ -79,6 +80,12 @@ class Request:
     prompt_tokens: int = 0  # as the trace said: what the gateway counts of the request and its answer
     output_tokens: int = 0
     resumed: bool = False  # preempted after its first token: its recomputation does not move that token
+    batch: bool = False  # a Batch API request: below every interactive class at the engine
+
+    @property
+    def order(self) -> int:
+        """Its engine priority (lower runs first)."""
+        return BATCH_ENGINE_PRIORITY if self.batch else engine_priority(self.priority)
 
 
 class Pod:
@@ -138,18 +145,16 @@ class Pod:
                     self._admit(request, now)
                 else:
                     self._queued += 1
-                    heapq.heappush(self.waiting, (engine_priority(request.priority), self._queued, request))
+                    heapq.heappush(self.waiting, (request.order, self._queued, request))
             else:
                 return
 
     def _preempt_for(self, request: Request, now: float) -> bool:
         """Make room for a request that outranks a running one: the lowest-priority, latest-arrived running request
         goes back to waiting, its decoding lost (recomputed when it runs again)."""
-        order = engine_priority(request.priority)
-        k = max(range(len(self.running)), key=lambda i: (engine_priority(self.running[i][2].priority),
-                                                         self.running[i][2].arrival))
+        k = max(range(len(self.running)), key=lambda i: (self.running[i][2].order, self.running[i][2].arrival))
         victim = self.running[k][2]
-        if engine_priority(victim.priority) <= order:
+        if victim.order <= request.order:
             return False
         self.running[k] = self.running[-1]
         self.running.pop()
@@ -162,14 +167,13 @@ class Pod:
             victim.first_token = None
         victim.resumed = victim.first_token is not None
         self._queued += 1
-        heapq.heappush(self.waiting, (engine_priority(victim.priority), self._queued, victim))
+        heapq.heappush(self.waiting, (victim.order, self._queued, victim))
         return True
 
     def _admit(self, request: Request, now: float) -> None:
         heapq.heappush(self.running, (self.progress + request.work, request.rid, request))
-        order = engine_priority(request.priority)
         at = len(self.prefills)
-        while at and self.prefills[at - 1][0] > now and engine_priority(self.prefills[at - 1][1].priority) > order:
+        while at and self.prefills[at - 1][0] > now and self.prefills[at - 1][1].order > request.order:
             at -= 1  # ahead of the prompts of lower priority that have not begun
         if at == len(self.prefills):
             self.prefills.append((max(now, self.prefill_free_at), request))

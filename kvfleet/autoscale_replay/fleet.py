@@ -15,11 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvfleet.autoscale_replay.batch import BatchJob, BatchRunner
 from kvfleet.autoscale_replay.engine_model import EngineModel, Pod, Request
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.slo import ClassWindow
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.operator.autoscaler import PodLoad
+from kvfleet.operator.batch_demand import BatchBacklog
 from kvfleet.operator.fleet_fields import autoscaling_default
 from kvfleet.operator.planner import demand_windows
 
@@ -43,6 +45,7 @@ class FleetView:
     classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)
     cold_start_s: float | None = None  # as the operator measures it
     recent_classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)  # as classes, the last 15 s
+    batch: tuple[BatchBacklog, ...] = ()  # the Batch API's unfinished jobs, as the gateways report them
 
 
 class Policy(Protocol):
@@ -60,6 +63,7 @@ class Run:
     pods: list[int]  # every pod that costs: starting, ready, draining
     in_pods: int  # running or waiting in a pod when the simulation stopped
     gateway_queued: int
+    batch: dict | None = None  # the batch jobs' report (BatchRunner.report), when the trace has jobs
 
     @property
     def completed(self) -> int:
@@ -71,8 +75,9 @@ class Fleet:
 
     def __init__(self, engine: EngineModel, replicas: int, saturation_waiting: int = 5,
                  saturation_kv: float = 0.8, queue_caps: dict[Priority, int] | None = None,
-                 critical_first: bool = True) -> None:
+                 critical_first: bool = True, batch: BatchRunner | None = None) -> None:
         self.engine, self.saturation_waiting, self.saturation_kv = engine, saturation_waiting, saturation_kv
+        self.batch = batch
         self.critical_first = critical_first
         self.queue_caps = queue_caps
         self.pods = [Pod(engine, 0.0) for _ in range(replicas)]
@@ -94,7 +99,8 @@ class Fleet:
         recent = self.arrivals_per_second[-60:]
         return FleetView(now, self.replicas, tuple(p.metrics(now) for p in self.ready_pods(now)), len(self.queue),
                          sum(recent) / max(1, len(recent)), tuple(self.concurrency[-60:]), self.class_windows(),
-                         float(self.engine.cold_start_s), self.class_windows(RECENT_WINDOW_S))
+                         float(self.engine.cold_start_s), self.class_windows(RECENT_WINDOW_S),
+                         self.batch.backlog(now) if self.batch else ())
 
     def class_windows(self, window_s: float = DEMAND_WINDOW_S) -> dict[Priority, ClassWindow]:
         recent = self.class_seconds[-int(window_s):]
@@ -147,12 +153,24 @@ class Fleet:
             load, k = heapq.heappop(heap)
             sent[k].append((at, request))
             heapq.heappush(heap, (load + 1, k))
+        if self.batch is not None:
+            self._send_batch(now, scraped, sent)
         by_pod = {id(p): s for (p, _), s in zip(scraped, sent, strict=True)}
         for pod in self.pods:
             if pod.ready_at <= now:
                 pod.advance(now, now + 1, by_pod.get(id(pod), []))
         self.pods = [p for p in self.pods if not (p.draining and p.load == 0)]
         self.concurrency.append(sum(p.load for p in self.pods) + len(self.queue))
+
+    def _send_batch(self, now: float, scraped: list[tuple[Pod, PodLoad]], sent: list[list[tuple[float, Request]]]
+                    ) -> None:
+        """The batch runner's turn, after the interactive arrivals: what it may send, sent at the second's start."""
+        assert self.batch is not None
+        self.batch.settle(now)
+        pods = [(pod, m, len(sent[k]), self._saturated(pod, m, len(sent[k]), now))
+                for k, (pod, m) in enumerate(scraped)]
+        for k, requests in self.batch.dispatch(now, pods, len(self.queue)).items():
+            sent[k] = sorted(sent[k] + [(now, r) for r in requests], key=lambda x: x[0])
 
     @staticmethod
     def _critical_outstanding(pod: Pod, now: float) -> int:
@@ -183,10 +201,12 @@ class Fleet:
 
 def simulate(requests: list[Request], duration_s: int, policy: Policy, engine: EngineModel,
              initial_replicas: int = 2, period_s: int = 15, tail_s: int = 1800,
-             queue_caps: dict[Priority, int] | None = None) -> Run:
-    """Run the requests (sorted by arrival), deciding every period_s; after the trace, run on with no arrivals (for
-    at most tail_s) until every request has its first token. Replicas are counted over the trace only."""
-    fleet = Fleet(engine, initial_replicas, queue_caps=queue_caps)
+             queue_caps: dict[Priority, int] | None = None, jobs: tuple[BatchJob, ...] = ()) -> Run:
+    """Run the requests (sorted by arrival) and the batch jobs, deciding every period_s; after the trace, run on
+    with no arrivals (for at most tail_s) until every request has its first token. Replicas are counted over the
+    trace only."""
+    runner = BatchRunner(jobs, engine) if jobs else None
+    fleet = Fleet(engine, initial_replicas, queue_caps=queue_caps, batch=runner)
     replicas, pods, next_arrival, now = [], [], 0, 0
     while now < duration_s or (now < duration_s + tail_s and _unstarted(fleet)):
         if now % period_s == 0:
@@ -199,7 +219,10 @@ def simulate(requests: list[Request], duration_s: int, policy: Policy, engine: E
             next_arrival += 1
         fleet.step(now, requests[first:next_arrival])
         now += 1
-    return Run(requests, replicas, pods, sum(p.load for p in fleet.pods), len(fleet.queue))
+    if runner is not None:
+        runner.settle(now)
+    return Run(requests, replicas, pods, sum(p.load for p in fleet.pods), len(fleet.queue),
+               runner.report() if runner else None)
 
 
 def _unstarted(fleet: Fleet) -> bool:

@@ -69,7 +69,7 @@ def run_policy(trace: Trace, name: str, settings: Settings) -> dict:
 
     def sim(policy: Policy, period_s: int) -> Run:
         return simulate(requests_of(trace, engine), trace.duration_s, policy, engine, INITIAL_REPLICAS, period_s,
-                        TAIL_S, DEFAULT_CAPS)
+                        TAIL_S, DEFAULT_CAPS, trace.jobs)
 
     extra: dict = {}
     period = 1

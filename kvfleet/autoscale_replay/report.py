@@ -30,7 +30,26 @@ def format_table(results: dict[str, dict], source: str) -> str:
                 + f"; cold start {settings['engine']['cold_start_s']} s; shed requests miss")
     if "oracle" in results and not results["oracle"].get("meets_targets", True):
         rows.append("the oracle found no schedule meeting the targets within --max-replicas")
+    if any("batch" in r for r in results.values()):
+        rows.extend(batch_rows(results))
     return "\n".join(rows)
+
+
+def batch_rows(results: dict[str, dict]) -> list[str]:
+    """Per policy: the batch jobs finished by their deadline, their requests answered in time, and each job's
+    finish against its deadline (the oracle plans for the interactive classes only)."""
+    rows = ["batch jobs (finished at / deadline, seconds from start; '-': not finished):"]
+    for name, r in results.items():
+        b = r["batch"]
+        jobs = " ".join(f"{_seconds(j['finished_s'])}/{j['deadline_s']:,.0f}" for j in b["jobs"][:6])
+        jobs += " ..." if len(b["jobs"]) > 6 else ""
+        rows.append(f"{name:<11} {b['jobs_on_time']}/{len(b['jobs'])} on time, "
+                    f"{b['answered_on_time']:,}/{b['requests']:,} requests in time: {jobs}")
+    return rows
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
 
 
 def _requests(results: dict[str, dict]) -> str:

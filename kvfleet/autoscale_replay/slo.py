@@ -66,4 +66,4 @@ def score(run: Run, slo: Slo) -> dict:
         shed[r.priority] += r.shed
     return {"slo_attainment": {p.value: a for p, a in attainment(run, slo).items()},
             "replica_seconds": sum(run.pods), "shed": {p.value: n for p, n in shed.items()},
-            "requests": {p.value: n for p, n in requests.items()}}
+            "requests": {p.value: n for p, n in requests.items()}} | ({"batch": run.batch} if run.batch else {})

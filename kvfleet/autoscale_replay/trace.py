@@ -12,8 +12,12 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
+
+if TYPE_CHECKING:
+    from kvfleet.autoscale_replay.batch import BatchJob
 
 COLUMNS = ("t", "prompt_tokens", "output_tokens", "priority")
 CLASSES = tuple(p.value for p in Priority)  # in rank order: critical first
@@ -38,10 +42,15 @@ class Row:
 @dataclass(frozen=True)
 class Trace:
     """Rows sorted by arrival (ties keep their order in the file); the trace lasts until its last second with an
-    arrival ends."""
+    arrival ends, or its last batch job's deadline when that is later."""
 
     rows: tuple[Row, ...]
     duration_s: int
+    jobs: tuple[BatchJob, ...] = ()  # Batch API jobs created during the trace (autoscale_replay/batch.py)
+
+    def with_jobs(self, jobs: Iterable[BatchJob]) -> Trace:
+        added = tuple(sorted((*self.jobs, *jobs), key=lambda j: j.t))
+        return Trace(self.rows, max([self.duration_s] + [math.ceil(j.deadline) for j in added]), added)
 
     @classmethod
     def of(cls, rows: Iterable[Row]) -> Trace:
@@ -64,34 +73,41 @@ def read_csv(path: Path, max_rows: int = MAX_ROWS) -> Trace:
 
 def parse_csv(raw: io.RawIOBase | io.BufferedIOBase, name: str, max_rows: int = MAX_ROWS) -> Trace:
     """Rows from a byte stream: UTF-8 (a byte-order mark is allowed) or UTF-16 with its byte-order mark."""
+    times, prompts, outputs, classes = array("d"), array("q"), array("q"), bytearray()
+    for line, (t, prompt, output, priority) in csv_rows(raw, name, COLUMNS):
+        if len(times) >= max_rows:
+            raise TraceError(f"{name} line {line}: more than {max_rows:,} requests; replay a part of the trace "
+                             "(split the file by time)")
+        times.append(parse_time(t, name, line))
+        prompts.append(parse_tokens(prompt, "prompt_tokens", name, line))
+        outputs.append(parse_tokens(output, "output_tokens", name, line))
+        classes.append(_class(priority, name, line))
+    if not times:
+        raise TraceError(f"{name}: no requests after the header; add one row per request")
+    ranks = tuple(Priority)
+    return Trace.of(Row(times[k], prompts[k], outputs[k], ranks[classes[k]]) for k in range(len(times)))
+
+
+def csv_rows(raw: io.RawIOBase | io.BufferedIOBase, name: str, wanted: tuple[str, ...]
+             ) -> Iterator[tuple[int, list[str]]]:
+    """(line number, the cells of the `wanted` columns in that order) for each non-empty row after the header,
+    which must name every wanted column (others are ignored)."""
     stream = io.BufferedReader(raw) if isinstance(raw, io.RawIOBase) else raw
     utf16 = stream.peek(2)[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
     lines = _utf16_lines(stream, name) if utf16 else _utf8_lines(stream, name)
     reader = csv.reader(lines)
-    columns = _header(_next(reader, name, 0), name)
-    t_col, prompt_col, output_col, class_col = (columns[c] for c in COLUMNS)
+    columns = _header(_next(reader, name, 0), name, wanted)
     need = max(columns.values()) + 1
-    times, prompts, outputs, classes = array("d"), array("q"), array("q"), bytearray()
     line = reader.line_num
     while (cells := _next(reader, name, line)) is not None:
         line = reader.line_num
         if not cells or all(not c.strip() for c in cells):
             continue
         if len(cells) < need:
-            missing = [c for c in COLUMNS if columns[c] >= len(cells)]
+            missing = [c for c in wanted if columns[c] >= len(cells)]
             raise TraceError(f"{name} line {line}: no value for {', '.join(missing)} (the row has {len(cells)} "
                              f"of the header's columns); write one value per column")
-        if len(times) >= max_rows:
-            raise TraceError(f"{name} line {line}: more than {max_rows:,} requests; replay a part of the trace "
-                             "(split the file by time)")
-        times.append(_time(cells[t_col], name, line))
-        prompts.append(_tokens(cells[prompt_col], "prompt_tokens", name, line))
-        outputs.append(_tokens(cells[output_col], "output_tokens", name, line))
-        classes.append(_class(cells[class_col], name, line))
-    if not times:
-        raise TraceError(f"{name}: no requests after the header; add one row per request")
-    ranks = tuple(Priority)
-    return Trace.of(Row(times[k], prompts[k], outputs[k], ranks[classes[k]]) for k in range(len(times)))
+        yield line, [cells[columns[c]] for c in wanted]
 
 
 def write_csv(trace: Trace, path: Path) -> None:
@@ -144,39 +160,42 @@ def _next(reader: Iterator[list[str]], name: str, line: int) -> list[str] | None
         raise TraceError(f"{name} line {line + 1}: not CSV ({err}); write plain comma-separated values") from None
 
 
-def _header(cells: list[str] | None, name: str) -> dict[str, int]:
+def _header(cells: list[str] | None, name: str, wanted: tuple[str, ...]) -> dict[str, int]:
     if cells is None:
         raise TraceError(f"{name}: the file is empty; its first line must be the header "
-                         f"{','.join(COLUMNS)}, then one row per request")
+                         f"{','.join(wanted)}, then one row per line")
     columns: dict[str, int] = {}
     for k, cell in enumerate(cells):
         columns.setdefault(cell.strip().lower(), k)
-    missing = [c for c in COLUMNS if c not in columns]
+    missing = [c for c in wanted if c not in columns]
     if missing:
         raise TraceError(f"{name} line 1: the header has no column {', '.join(missing)}; the first line must "
-                         f"name the columns, e.g. {','.join(COLUMNS)} (found {','.join(cells)[:200]!r})")
-    return {c: columns[c] for c in COLUMNS}
+                         f"name the columns, e.g. {','.join(wanted)} (found {','.join(cells)[:200]!r})")
+    return {c: columns[c] for c in wanted}
 
 
-def _time(cell: str, name: str, line: int) -> float:
+def parse_time(cell: str, name: str, line: int, column: str = "t", most: float = MAX_TIME_S) -> float:
+    """Seconds: from the trace's start (t) or a span; a TraceError naming the line otherwise."""
     try:
         value = float(cell)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and 0 <= value <= MAX_TIME_S):
-        raise TraceError(f"{name} line {line}: t is {cell[:40]!r}; write seconds from the trace's start, a number "
-                         f"from 0 to {MAX_TIME_S:,}")
+    if not (math.isfinite(value) and 0 <= value <= most):
+        what = "seconds from the trace's start" if column == "t" else "seconds"
+        raise TraceError(f"{name} line {line}: {column} is {cell[:40]!r}; write {what}, a number from 0 to "
+                         f"{most:,.0f}")
     return value
 
 
-def _tokens(cell: str, column: str, name: str, line: int) -> int:
+def parse_tokens(cell: str, column: str, name: str, line: int, most: int = MAX_TOKENS) -> int:
+    """A whole number from 1 to `most`; a TraceError naming the line otherwise."""
     try:
         value = int(cell.strip())
     except ValueError:
         value = -1
-    if not 1 <= value <= MAX_TOKENS:
+    if not 1 <= value <= most:
         raise TraceError(f"{name} line {line}: {column} is {cell[:40]!r}; write a whole number from 1 to "
-                         f"{MAX_TOKENS:,}")
+                         f"{most:,}")
     return value
 
 
