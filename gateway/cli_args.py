@@ -151,9 +151,14 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         f"(default: env {ENGINE_API_KEY_ENV})")
     a.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
     b = p.add_argument_group("Batch API (OpenAI's /v1/files and /v1/batches)")
-    b.add_argument("--batch-dir", default=None, metavar="DIR",
-                   help="turn the Batch API on, keeping file bodies here (a PersistentVolume every replica mounts; "
-                        "local disk for one); needs --redis-url")
+    where = b.add_mutually_exclusive_group()
+    where.add_argument("--batch-dir", default=None, metavar="DIR",
+                       help="turn the Batch API on, keeping file bodies here (a PersistentVolume every replica "
+                            "mounts; local disk for one); needs --redis-url")
+    where.add_argument("--batch-store", default=None, metavar="URL",
+                       help="turn the Batch API on, keeping file bodies in an S3-compatible bucket: s3://BUCKET[/PREFIX]"
+                            " (endpoint, region and credentials from AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, "
+                            "AWS_SECRET_ACCESS_KEY; AWS_ALLOW_HTTP=true for a plain-HTTP endpoint); needs --redis-url")
     b.add_argument("--batch-max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES,
                    help="the largest input file; over it: 413")
     b.add_argument("--batch-max-lines", type=int, default=DEFAULT_MAX_LINES, help="requests in one input file")
@@ -216,6 +221,6 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         upstream_idle_timeout_s=args.upstream_idle_timeout, engine_unreachable_after_s=args.engine_unreachable_after,
         http_limits=HttpLimits(args.max_header_count, args.max_header_bytes, args.header_timeout, args.body_timeout,
                                args.max_connections),
-        batch=BatchSettings(args.batch_dir, args.batch_max_file_bytes, args.batch_max_lines, args.batch_max_active,
-                            args.batch_share)
-        if args.batch_dir else None)
+        batch=BatchSettings(args.batch_dir or args.batch_store, args.batch_max_file_bytes, args.batch_max_lines,
+                            args.batch_max_active, args.batch_share)
+        if args.batch_dir or args.batch_store else None)

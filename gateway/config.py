@@ -148,8 +148,8 @@ class GatewayConfig:
             raise ValueError(f"--tenant-metrics-top must be a whole number from 0 (every tenant is 'other') to "
                              f"{MAX_TENANT_METRICS_TOP}, not {self.tenant_metrics_top}")
         if self.batch is not None and not self.redis_url:
-            raise ValueError("--batch-dir needs --redis-url: batches and their progress live in Redis, shared by "
-                             "every gateway replica")
+            raise ValueError("the Batch API (--batch-dir, --batch-store) needs --redis-url: batches and their "
+                             "progress live in Redis, shared by every gateway replica")
         if not self.fleet or any(c in self.fleet for c in "{}: "):
             raise ValueError(f"--fleet must be a plain name (no braces, colons or spaces), not {self.fleet!r}")
 

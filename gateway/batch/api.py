@@ -9,9 +9,10 @@ the flooder, not the fleet.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -37,6 +38,8 @@ from kvfleet.gateway.batch.settings import BatchSettings
 from kvfleet.gateway.batch.state import BatchState, FileRecord
 
 MAX_FILENAME = 256
+T = TypeVar("T")
+log = logging.getLogger("kvfleet.gateway.batch")
 
 
 def not_found(kind: str, given: str) -> APIError:
@@ -66,7 +69,7 @@ class BatchService:
             raise APIError(400, f"a batch file holds 1 to {self.limits.max_lines} requests, one JSON object per "
                                 f"line; this one has {lines}", param="file")
         file_id = new_file_id()
-        await asyncio.to_thread(self.files.put_from, file_id, upload.file)
+        await store_call(self.files.put_from, file_id, upload.file)
         name = (upload.filename or "batch.jsonl")[:MAX_FILENAME]
         record = FileRecord(file_id, tenant, size, int(self.clock()), name, "batch")
         await self.state.add_file(record)
@@ -86,8 +89,8 @@ class BatchService:
 
     async def delete_file(self, tenant: str, file_id: str) -> dict:
         record = await self.own_file(tenant, file_id)
+        await store_call(self.files.delete, file_id)  # the body first: a failure leaves the record to delete again
         await self.state.remove_file(record)
-        self.files.delete(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     # Batches
@@ -178,6 +181,19 @@ async def _json_body(request: Request) -> Any:
     return body
 
 
+async def store_call(do: Callable[..., T], *args: Any) -> T:
+    """A file store call off the event loop; the store away (a full disk, an object store that does not answer) is a
+    503 the client may retry, and nothing was recorded (FileNotFoundError passes: the caller says what is missing)."""
+    try:
+        return await asyncio.to_thread(do, *args)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        log.warning("the batch file store failed: %s", err)
+        raise APIError(503, "the batch file store is unavailable; retry shortly", "service_unavailable",
+                       code="batch_store_unavailable", headers={headers.RETRY_AFTER: "5"}) from None
+
+
 def install_batch_routes(app: FastAPI, service: BatchService) -> None:
     def tenant(request: Request) -> str:
         return service.tenant_of(request.headers)
@@ -212,7 +228,7 @@ def install_batch_routes(app: FastAPI, service: BatchService) -> None:
     async def file_content(request: Request, file_id: str) -> Response:
         record = await service.own_file(tenant(request), file_id)
         try:
-            data = await asyncio.to_thread(service.files.read, record.id)
+            data = await store_call(service.files.read, record.id)
         except FileNotFoundError:
             raise not_found("file content", file_id) from None
         return Response(data, media_type="application/octet-stream")

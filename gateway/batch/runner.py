@@ -154,9 +154,13 @@ class BatchRunner:
             return None
         try:
             data = await asyncio.to_thread(self.files.read, record["input_file_id"])
-        except (OSError, ValueError):
+        except (FileNotFoundError, ValueError):
             await self._fail(batch_id, "input_file_missing", f"the input file {record['input_file_id']} cannot be "
                                                              "read; it was deleted")
+            return None
+        except OSError as err:  # the store away: the batch waits, as it does for the engines
+            log.warning("batch %s waits: its input file cannot be read now (%s)", batch_id, err)
+            await self.state.release(batch_id, self.owner)
             return None
         try:
             cores = await self.models()

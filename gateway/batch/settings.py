@@ -1,4 +1,4 @@
-"""The Batch API's settings (`kvfleet gateway --batch-dir ...`), one place for their defaults."""
+"""The Batch API's settings (`kvfleet gateway --batch-dir DIR` or `--batch-store URL`), one place for their defaults."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ DEFAULT_SHARE = 0.25  # of each engine's batch slots, the most batch work holds 
 
 @dataclass(frozen=True)
 class BatchSettings:
-    directory: str  # the file store: local disk, or a PersistentVolume every replica mounts
+    store: str  # the file store: a directory (local disk, a PersistentVolume every replica mounts) or an s3:// URL
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # an upload over it: 413
     max_lines: int = DEFAULT_MAX_LINES
     max_active: int = DEFAULT_MAX_ACTIVE

@@ -1,5 +1,5 @@
-"""The Batch API attached to a gateway's app (`--batch-dir`): its Redis state, its file store, the runner on this
-replica, and the routes. Off without --batch-dir; it needs --redis-url (state every replica shares)."""
+"""The Batch API attached to a gateway's app (`--batch-dir` or `--batch-store`): its Redis state, its file store, the
+runner on this replica, and the routes. Off without either; it needs --redis-url (state every replica shares)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from kvfleet.gateway.batch.api import BatchService, install_batch_routes
 from kvfleet.gateway.batch.capacity import BatchRoom
-from kvfleet.gateway.batch.files import FileStore
+from kvfleet.gateway.batch.files import open_store
 from kvfleet.gateway.batch.runner import BatchRunner
 from kvfleet.gateway.batch.state import BatchState
 from kvfleet.gateway.limits.access import authenticate, request_tenant
@@ -25,9 +25,7 @@ class BatchApi:
 
         c = gateway.config
         settings = c.batch
-        if not c.redis_url:
-            raise ValueError("--batch-dir needs --redis-url: batches and their progress live in Redis, shared by "
-                             "every gateway replica")
+        assert c.redis_url, "GatewayConfig refuses the Batch API without --redis-url"
         self.gateway = gateway
         from redis.asyncio.retry import Retry
         from redis.backoff import ExponentialBackoff
@@ -40,7 +38,7 @@ class BatchApi:
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self.state = BatchState(self.redis, c.fleet)
-        self.files = FileStore(settings.directory)
+        self.files = open_store(settings.store)
         self.runner = BatchRunner(self.state, self.files, gateway.batch_models, BatchRoom(share=settings.share),
                                   clock=clock, metrics=gateway.metrics)
         self.service = BatchService(self.state, self.files, settings, self.tenant_of, self.runner.wake, clock)

@@ -248,11 +248,16 @@ gateway container alone (the bootstrap needs no secret). */}}
 {{- if eq (include "kvfleet.redis.mode" .) "none" }}
 {{- fail "gateway.batch.enabled needs Redis (redis.enabled or redis.external.url): batches and their progress live there" }}
 {{- end }}
-# The Batch API: file bodies on the volume every replica mounts, state in Redis.
+# The Batch API: file bodies in the bucket or on the volume every replica mounts, state in Redis.
+{{- if $g.batch.storeUrl }}
+- --batch-store={{ $g.batch.storeUrl }}
+{{- else }}
 - --batch-dir={{ include "kvfleet.gateway.batchDir" . }}
+{{- end }}
 - --batch-max-file-bytes={{ int64 $g.batch.maxFileBytes }}
 - --batch-max-lines={{ int64 $g.batch.maxLines }}
 - --batch-max-active={{ int64 $g.batch.maxActive }}
+- --batch-share={{ $g.batch.share }}
 {{- end }}
 {{- range $g.extraArgs }}
 - {{ . | quote }}
