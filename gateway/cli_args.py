@@ -164,6 +164,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     b.add_argument("--batch-max-lines", type=int, default=DEFAULT_MAX_LINES, help="requests in one input file")
     b.add_argument("--batch-max-active", type=int, default=DEFAULT_MAX_ACTIVE,
                    help="a tenant's unfinished batches; beyond: 429")
+    b.add_argument("--batch-max-tokens", type=int, default=None, metavar="N",
+                   help="the most tokens (prompt estimate + max_tokens) a tenant may have enqueued in unfinished "
+                        "batches, OpenAI's batch queue limit (a key's batch_tokens= wins; default: no limit)")
     b.add_argument("--batch-share", type=float, default=DEFAULT_SHARE,
                    help="the most of each engine's batch slots (max_num_seqs) batch requests hold at once")
     lim = d0.http_limits
@@ -222,5 +225,5 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         http_limits=HttpLimits(args.max_header_count, args.max_header_bytes, args.header_timeout, args.body_timeout,
                                args.max_connections),
         batch=BatchSettings(args.batch_dir or args.batch_store, args.batch_max_file_bytes, args.batch_max_lines,
-                            args.batch_max_active, args.batch_share)
+                            args.batch_max_active, args.batch_share, args.batch_max_tokens)
         if args.batch_dir or args.batch_store else None)

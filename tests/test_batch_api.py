@@ -218,3 +218,38 @@ def test_the_batch_api_answers_through_envoy_too(engine: str, redis_url: str, mo
         assert big.value.status_code == 413
     finally:
         stop_process(proc)
+
+
+def test_batch_tokens_are_limited_per_key_apart_from_interactive_limits(redis_url: str, model: str,
+                                                                        tmp_path: Path) -> None:
+    """OpenAI's batch queue limit: a key's tenant may have so many tokens (prompt estimate + max_tokens) enqueued in
+    unfinished batches (its key's batch_tokens=, else --batch-max-tokens). Its engine never answers here, so every
+    batch stays unfinished and holds its tokens."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-small name=small batch_tokens=300 rpm=1\nsk-big name=big\n")
+    proc, url = start_gateway("--engine", "http://127.0.0.1:9", "--redis-url", redis_url, "--batch-dir",
+                              str(tmp_path / "files"), "--api-keys-file", str(keys), "--batch-max-tokens", "100000",
+                              "--fleet", "token-limits")
+    try:
+        small = OpenAI(base_url=f"{url}/v1", api_key="sk-small", max_retries=0, timeout=60)
+        lines = jsonl([request_line(f"t{i}", model, max_tokens=50) for i in range(3)])  # ~3 × (50 + ~18)
+        first = small.files.create(file=("a.jsonl", lines), purpose="batch")
+        second = small.files.create(file=("b.jsonl", lines), purpose="batch")  # rpm=1 does not count batch calls
+        held = small.batches.create(input_file_id=first.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert held.status == "validating"
+        with pytest.raises(openai.RateLimitError) as full:
+            small.batches.create(input_file_id=second.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert full.value.body["code"] == "token_limit_exceeded" and "wait for a batch" in full.value.message
+        assert full.value.response.headers["retry-after"]
+        big_file = small.files.create(file=("c.jsonl", jsonl([request_line(f"b{i}", model, max_tokens=100)
+                                                              for i in range(4)])), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as alone:
+            small.batches.create(input_file_id=big_file.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert "split it into smaller batches" in alone.value.message
+        # another key's tenant has the gateway's limit, and its own tokens
+        big = OpenAI(base_url=f"{url}/v1", api_key="sk-big", max_retries=0, timeout=60)
+        mine = big.files.create(file=("d.jsonl", lines), purpose="batch")
+        assert big.batches.create(input_file_id=mine.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h").status == "validating"
+    finally:
+        stop_process(proc)

@@ -95,6 +95,8 @@ BAD_LINES = [
     ("sk-x rpm=ten", "rpm=ten must be a non-negative integer"),
     ("sk-x rpm=-1", "rpm=-1 must be a non-negative integer"),
     ("sk-x tpm=1.5", "tpm=1.5 must be a non-negative integer"),
+    ("sk-x batch_tokens=1e6", "batch_tokens=1e6 must be a non-negative integer"),
+    ("batch_tokens=5 sk-x", "the key must come first"),
     ("sk-x rpm=", "rpm= needs a value"),
     ("sk-x color=red", "unknown option 'color=red'"),
     ("sk-x rpm", "unknown option 'rpm'"),

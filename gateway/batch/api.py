@@ -9,6 +9,7 @@ the flooder, not the fleet.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -24,7 +25,7 @@ from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.openai_schema import RequestSchemaError, check_json_value, parse_json
 from kvfleet.gateway.batch.files import FileStore, new_batch_id, new_file_id
-from kvfleet.gateway.batch.lines import ENDPOINTS
+from kvfleet.gateway.batch.lines import ENDPOINTS, file_tokens
 from kvfleet.gateway.batch.objects import (
     FINISHED,
     RUNNING,
@@ -49,9 +50,12 @@ def not_found(kind: str, given: str) -> APIError:
 class BatchService:
     def __init__(self, state: BatchState, files: FileStore, limits: BatchSettings,
                  tenant_of: Callable[[Mapping[str, str]], str], wake: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 token_limit_of: Callable[[Mapping[str, str]], int | None] | None = None) -> None:
+        """token_limit_of: the caller's batch token limit (its key's batch_tokens=, else --batch-max-tokens)."""
         self.state, self.files, self.limits = state, files, limits
         self.tenant_of, self.wake, self.clock = tenant_of, wake, clock
+        self.token_limit_of = token_limit_of or (lambda _: limits.max_tokens)
 
     # Files
 
@@ -95,7 +99,7 @@ class BatchService:
 
     # Batches
 
-    async def create(self, tenant: str, body: Any) -> dict:
+    async def create(self, tenant: str, body: Any, token_limit: int | None = None) -> dict:
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object: {input_file_id, endpoint, completion_window}")
         unknown = next((k for k in body if k not in ("input_file_id", "endpoint", "completion_window", "metadata",
@@ -116,21 +120,43 @@ class BatchService:
         if source.purpose != "batch":
             raise APIError(400, f"{file_id} is a {source.purpose} file; upload the input with purpose \"batch\"",
                            param="input_file_id")
-        active = 0
+        unfinished = []
         for batch_id in await self.state.tenant_batch_ids(tenant):
             fields = await self.state.batch(batch_id)
-            active += fields is not None and fields["status"] not in FINISHED
-        if active >= self.limits.max_active:
-            raise APIError(429, f"{active} of your batches are unfinished, this gateway's most per tenant; wait for "
-                                "one to finish or cancel one", "rate_limit_error", code="too_many_batches",
+            if fields is not None and fields["status"] not in FINISHED:
+                unfinished.append(fields)
+        if len(unfinished) >= self.limits.max_active:
+            raise APIError(429, f"{len(unfinished)} of your batches are unfinished, this gateway's most per tenant; "
+                                "wait for one to finish or cancel one", "rate_limit_error", code="too_many_batches",
                            headers={headers.RETRY_AFTER: "30"})
         now = int(self.clock())
         batch_id = new_batch_id()
         record = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": body["completion_window"],
                   "created_at": now, "expires_at": now + window_s, "metadata": metadata}
+        if token_limit is not None:
+            record["tokens"] = await self._within_token_limit(file_id, endpoint, unfinished, token_limit)
         await self.state.add_batch(batch_id, tenant, record, "validating", now)
         self.wake()
         return await self.retrieve(tenant, batch_id)
+
+    async def _within_token_limit(self, file_id: str, endpoint: str, unfinished: list[dict], limit: int) -> int:
+        """The batch's tokens (prompt estimate + max_tokens of its good lines), if they fit beside the tenant's
+        unfinished batches' within `limit`: else 400 when the batch alone is over it, 429 while others hold it."""
+        try:
+            data = await store_call(self.files.read, file_id)
+        except FileNotFoundError:
+            raise not_found("file content", file_id) from None
+        tokens = await asyncio.to_thread(file_tokens, data, endpoint)
+        if tokens > limit:
+            raise APIError(400, f"the batch would enqueue about {tokens} tokens (prompts, about four characters a "
+                                f"token, and max_tokens), over your limit of {limit}; split it into smaller batches",
+                           code="token_limit_exceeded", param="input_file_id")
+        enqueued = sum(int(json.loads(f["record"]).get("tokens", 0)) for f in unfinished)
+        if enqueued + tokens > limit:
+            raise APIError(429, f"your unfinished batches hold about {enqueued} tokens and this one {tokens}, over "
+                                f"your limit of {limit} enqueued tokens; wait for a batch to finish",
+                           "rate_limit_error", code="token_limit_exceeded", headers={headers.RETRY_AFTER: "60"})
+        return tokens
 
     async def _own_batch(self, tenant: str, batch_id: str) -> dict:
         fields = await self.state.batch(batch_id) if isinstance(batch_id, str) else None
@@ -239,8 +265,8 @@ def install_batch_routes(app: FastAPI, service: BatchService) -> None:
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> JSONResponse:
-        who = tenant(request)
-        return JSONResponse(await service.create(who, await _json_body(request)))
+        who, limit = tenant(request), service.token_limit_of(request.headers)
+        return JSONResponse(await service.create(who, await _json_body(request), limit))
 
     @app.get("/v1/batches")
     async def list_batches(request: Request, after: str | None = None, limit: str | None = None) -> JSONResponse:

@@ -9,6 +9,7 @@ custom_id is answered exactly once.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from kvfleet.fleet.openai_schema import RequestSchemaError, parse_json, validate
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_CUSTOM_ID = 512
+DEFAULT_OUTPUT_TOKENS = 256  # a request without max_tokens, as the autoscaler sizes its work and the limits count it
 
 
 @dataclass(frozen=True)
@@ -87,3 +89,21 @@ def read_lines(data: bytes, endpoint: str, serves: Callable[[str], bool]) -> Ite
             else:
                 seen.add(line.custom_id)
         yield line
+
+
+def token_estimate(body: dict) -> tuple[float, int]:
+    """A checked request body's (prompt tokens, about four characters a token; output tokens: its max_tokens, else
+    DEFAULT_OUTPUT_TOKENS): what the autoscaler plans with and a key's batch token limit counts."""
+    text = body.get("prompt") if "prompt" in body else body.get("messages")
+    output = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_OUTPUT_TOKENS
+    return len(json.dumps(text)) / 4, output
+
+
+def file_tokens(data: bytes, endpoint: str) -> int:
+    """The tokens a batch file's good lines would enqueue (prompt estimate + output), whatever models they name."""
+    total = 0.0
+    for line in read_lines(data, endpoint, lambda _: True):
+        if isinstance(line, Line):
+            prompt, output = token_estimate(line.body)
+            total += prompt + output
+    return round(total)

@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 from kvfleet.fleet import headers
 from kvfleet.gateway.batch.capacity import BATCH_ENGINE_PRIORITY, BatchRoom, batch_targets
 from kvfleet.gateway.batch.files import FileStore, new_file_id
-from kvfleet.gateway.batch.lines import Line, LineError, read_lines
+from kvfleet.gateway.batch.lines import Line, LineError, read_lines, token_estimate
 from kvfleet.gateway.batch.objects import RUNNING
 from kvfleet.gateway.batch.state import BatchState, FileRecord
 
@@ -353,7 +353,6 @@ def _error_line(error: LineError) -> dict:
                                           "response": None, "error": {"code": error.code, "message": error.message}}}
 
 
-DEFAULT_OUTPUT_TOKENS = 256  # a request without max_tokens, as the autoscaler sizes its work
 
 
 def _shape(lines: list[Line], cores: dict[str, tuple[Any, str]]) -> dict[str, tuple[float, float, float]]:
@@ -362,9 +361,7 @@ def _shape(lines: list[Line], cores: dict[str, tuple[Any, str]]) -> dict[str, tu
     sums: dict[str, list[float]] = {}
     for line in lines:
         fleet = cores[line.body["model"]][0].config.fleet
-        text = line.body.get("prompt") if "prompt" in line.body else line.body.get("messages")
-        prompt = len(json.dumps(text)) / 4
-        output = line.body.get("max_completion_tokens") or line.body.get("max_tokens") or DEFAULT_OUTPUT_TOKENS
+        prompt, output = token_estimate(line.body)
         acc = sums.setdefault(fleet, [0.0, 0.0, 0.0])
         acc[0] += 1
         acc[1] += prompt

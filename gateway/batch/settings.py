@@ -17,11 +17,14 @@ class BatchSettings:
     max_lines: int = DEFAULT_MAX_LINES
     max_active: int = DEFAULT_MAX_ACTIVE
     share: float = DEFAULT_SHARE
+    max_tokens: int | None = None  # a tenant's tokens enqueued in unfinished batches (a key's batch_tokens= wins)
 
     def __post_init__(self) -> None:
         for flag, value in (("--batch-max-file-bytes", self.max_file_bytes), ("--batch-max-lines", self.max_lines),
                             ("--batch-max-active", self.max_active)):
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, not {value}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"--batch-max-tokens must be at least 1, not {self.max_tokens}")
         if not 0 < self.share <= 1:
             raise ValueError(f"--batch-share must be a fraction in (0, 1], not {self.share}")

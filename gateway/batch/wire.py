@@ -41,10 +41,17 @@ class BatchApi:
         self.files = open_store(settings.store)
         self.runner = BatchRunner(self.state, self.files, gateway.batch_models, BatchRoom(share=settings.share),
                                   clock=clock, metrics=gateway.metrics)
-        self.service = BatchService(self.state, self.files, settings, self.tenant_of, self.runner.wake, clock)
+        self.service = BatchService(self.state, self.files, settings, self.tenant_of, self.runner.wake, clock,
+                                    self.token_limit_of)
 
     def tenant_of(self, request_headers: Mapping[str, str]) -> str:
         return request_tenant(authenticate(self.gateway.keys, request_headers), request_headers).name
+
+    def token_limit_of(self, request_headers: Mapping[str, str]) -> int | None:
+        """The caller's key's batch_tokens=, else the gateway's --batch-max-tokens (None: no limit)."""
+        key = authenticate(self.gateway.keys, request_headers)
+        own = getattr(key, "batch_tokens", None)
+        return own if own is not None else self.gateway.config.batch.max_tokens
 
     def install(self, app: FastAPI) -> None:
         install_batch_routes(app, self.service)

@@ -2,14 +2,16 @@
 
 Key lines (a file, or each value of a Kubernetes Secret) read
 `<key or sha256:<64 hex>> [name=N] [rpm=N] [tpm=N] [weight=W] [max_queued=N] [max_inflight=N]
-[allow_priority=true|false] [allow_fallback=true|false] [max_class=critical|standard|sheddable]`; `#` at a line's
-start or after a space starts a comment (a key cannot start with `#` or hold spaces).
+[allow_priority=true|false] [allow_fallback=true|false] [max_class=critical|standard|sheddable]
+[batch_tokens=N]`; `#` at a line's start or after a space starts a comment (a key cannot start with `#` or hold spaces).
 A key's name is its tenant in the fleet queue's fair share, `weight` its share (default 1), `max_queued` and
 `max_inflight` its tenant's caps on requests waiting in the fleet queue and admitted but unfinished (default: the
 gateway's --tenant-max-queued / --tenant-max-inflight); keys with the same name are one tenant, so they must give
 the same weight and caps. `max_class` is the highest class (`x-kvfleet-priority`) the key may claim (default: the
 gateway's --max-class; gateway/limits/class_grant.py refuses more); `allow_fallback` lets its requests go to their
-model's fallback model while theirs is saturated, as `x-kvfleet-allow-fallback: true` does.
+model's fallback model while theirs is saturated, as `x-kvfleet-allow-fallback: true` does. `batch_tokens` is the
+most tokens its tenant may have enqueued in unfinished Batch API batches (OpenAI's batch queue limit; default: the
+gateway's --batch-max-tokens): batch work is counted there, never in rpm/tpm.
 Hash a key for the file with `printf %s "$KEY" | sha256sum`.
 """
 
@@ -30,7 +32,7 @@ from kvfleet.fleet.headers import API_KEY, AUTHORIZATION, PRIORITY
 from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
 
 HASH_PREFIX = "sha256:"
-LIMIT_OPTIONS = ("rpm", "tpm")
+LIMIT_OPTIONS = ("rpm", "tpm", "batch_tokens")
 TENANT_CAP_OPTIONS = ("max_queued", "max_inflight")
 BOOLEAN_OPTIONS = ("allow_priority", "allow_fallback")
 WEIGHT_RANGE = (0.01, 1000.0)
@@ -51,6 +53,7 @@ class KeyInfo:
     max_queued: int | None = None  # its tenant's caps (None: the gateway's defaults)
     max_inflight: int | None = None
     max_class: Priority | None = None  # the highest class it may claim (None: the gateway's --max-class)
+    batch_tokens: int | None = None  # its tenant's enqueued Batch API tokens (None: the gateway's --batch-max-tokens)
 
 
 def hash_key(key: str) -> str:
@@ -85,13 +88,14 @@ def _parse_line(line: str, default_rpm: int | None, default_tpm: int | None) -> 
     digest = _digest_of(first)
     settings: dict[str, Any] = {"name": digest[:12], "rpm": default_rpm, "tpm": default_tpm, "allow_priority": False,
                                 "allow_fallback": False,
-                                "weight": 1.0, "max_queued": None, "max_inflight": None, "max_class": None}
+                                "weight": 1.0, "max_queued": None, "max_inflight": None, "max_class": None,
+                                "batch_tokens": None}
     seen: set[str] = set()
     for option in options:
         field, sep, value = option.partition("=")
         if not sep or field not in settings:
             raise ValueError(f"unknown option {option!r}; expected name=, rpm=, tpm=, weight=, max_queued=, "
-                             "max_inflight=, allow_priority=, allow_fallback= or max_class=")
+                             "max_inflight=, allow_priority=, allow_fallback=, max_class= or batch_tokens=")
         if field in seen:
             raise ValueError(f"{field}= is given twice")
         if not value:
