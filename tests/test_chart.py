@@ -595,10 +595,12 @@ def test_the_batch_api_gets_its_flags_its_claim_and_redis() -> None:
 def test_the_batch_api_in_a_bucket_gets_its_url_and_credentials_and_no_claim() -> None:
     docs = render(CHART / "ci" / "batch-values.yaml", sets=("gateway.batch.storeUrl=s3://team-batches/prod",
                                                            "gateway.batch.storeSecret=batch-bucket",
-                                                           "gateway.batch.share=0.5"))
+                                                           "gateway.batch.share=0.5",
+                                                           "gateway.batch.maxTokens=2000000"))
     gateway = container(docs, "gateway")
     args, _ = parse_cli(gateway)
     assert args.batch_store == "s3://team-batches/prod" and args.batch_dir is None and args.batch_share == 0.5
+    assert args.batch_max_tokens == 2_000_000
     assert gateway["envFrom"] == [{"secretRef": {"name": "batch-bucket"}}]
     assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
     pod = one(docs, "Deployment", f"{RELEASE}-kvfleet-gateway")["spec"]["template"]["spec"]
