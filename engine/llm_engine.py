@@ -32,6 +32,7 @@ from kvfleet.engine.sequence import Sequence
 from kvfleet.engine.step_profile import StepProfile, step_kind
 from kvfleet.engine.tokenizer import Tokenizer
 from kvfleet.fleet.lora import parse_lora_module
+from kvfleet.fleet.priority import BATCH_ENGINE_PRIORITY
 
 log = logging.getLogger("kvfleet.engine")
 
@@ -101,6 +102,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_waiting,
             config.static_batching, config.max_loras if self.lora_slots is not None else None,
+            BATCH_ENGINE_PRIORITY if config.background_yield else None,
         )
         self.runner = ModelRunner(self.model, self.backend, self.device, self._capture_graphs() if graphs else None,
                                   self.lora_slots)

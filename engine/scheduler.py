@@ -7,6 +7,11 @@ lowest-priority, latest-arrived running sequence is preempted and later recomput
 outranks a running one does not wait behind it (vLLM's priority policy): when the batch is full or its first
 chunk's blocks are not free, the lowest-priority running sequence is preempted to make room.
 
+Background requests (priority BATCH_ENGINE_PRIORITY or more: the Batch API's) sit out every step in which a
+request of higher priority prefills or waits to be admitted: they keep their KV blocks and resume at the next step
+without one, so an interactive prompt's steps are not lengthened by background decodes (on a CPU a step's time grows
+with its batch). Between interactive prefills they decode as usual.
+
 With LoRA adapters, the running batch holds at most max_loras distinct adapters (each needs a slot of weights).
 A waiting request whose adapter would be one too many is passed by later requests, as in vLLM, but by at most one
 batch's worth (max_num_seqs) of them: then nothing passes it, the running adapters drain, and it gets the slot.
@@ -48,6 +53,7 @@ class Scheduler:
         max_num_waiting: int,
         static_batching: bool = False,
         max_loras: int | None = None,
+        background_priority: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -55,6 +61,7 @@ class Scheduler:
         self.max_num_waiting = max_num_waiting
         self.static_batching = static_batching
         self.max_loras = max_loras  # distinct adapters in the running batch (None: LoRA off)
+        self.background_priority = background_priority  # at or above it, a request yields (None: none does)
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by (priority, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -100,10 +107,13 @@ class Scheduler:
         self.running.sort(key=Sequence.sort_key)
         if self._may_admit():
             self._make_room_for_higher_priority(out)
+        background = self._yielding()
         out_of_blocks = False
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.priority >= background:  # sorted by priority: every one from here on sits this step out
+                break
             num_new = min(seq.num_new_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
                 out_of_blocks = True
@@ -117,8 +127,20 @@ class Scheduler:
                 budget -= num_new
                 index += 1
         if not out_of_blocks and self._may_admit():
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, background)
         return out
+
+    def _yielding(self) -> float:
+        """The priority from which sequences sit this step out: the background's while a request of higher priority
+        waits or prefills; else none (infinity)."""
+        bg = self.background_priority
+        if bg is None:
+            return float("inf")
+        if any(seq.priority < bg for _, seq in self._waiting):
+            return bg
+        if any(seq.priority < bg and seq.num_new_tokens > 1 for seq in self.running):
+            return bg
+        return float("inf")
 
     def _make_room_for_higher_priority(self, out: SchedulerOutput) -> None:
         """Preempt running sequences (lowest priority, latest arrival first) while the first waiting request
@@ -154,11 +176,13 @@ class Scheduler:
         return (self.max_loras is not None and seq.lora is not None and seq.lora.id not in adapters
                 and len(adapters) >= self.max_loras)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, background: float = float("inf")) -> None:
         adapters = self.running_adapters()
         held_back: list[tuple[tuple[int, int], Sequence]] = []  # over the adapter cap: back in line afterwards
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
+            if seq.priority >= background:  # by priority: the rest are background too
+                break
             if any(seq is victim for victim in out.preempted):  # made room for others this step: not back at once
                 break
             if self._over_lora_cap(seq, adapters):

@@ -134,6 +134,10 @@ class EngineSim:
             assert id(seq) in running and seq.status is SequenceStatus.RUNNING
             assert len(seq.block_table) >= self.bm.blocks_needed(seq.num_computed_tokens + n)
             self.check_own_kv(seq)  # a newly admitted sequence's prefix-cache hits hold its own tokens
+        # Background work never shares a step with a higher-priority prefill.
+        bg = sched.background_priority
+        if bg is not None and any(s.priority < bg and n > 1 for s, n in plan.scheduled):
+            assert all(s.priority < bg for s in seqs), "a background sequence ran beside a foreground prefill"
         # Victims go lowest priority, latest arrival first, from the running set as it stood.
         lowest_first = sorted(running_before, key=Sequence.sort_key, reverse=True)
         assert [s.request_id for s in plan.preempted] == [s.request_id for s in lowest_first[:len(plan.preempted)]]
@@ -190,6 +194,8 @@ def engine_configs(draw: st.DrawFn, tight: bool = False) -> dict:
         "max_num_batched_tokens": draw(st.integers(1, 12) | st.just(max_model_len), label="token budget"),
         "max_num_seqs": draw(st.integers(2 if tight else 1, 4), label="max num seqs"),
         "max_num_waiting": draw(st.integers(1, 6), label="max num waiting"),
+        # priority 2 (of 0-2) as background: it sits out steps in which a higher priority prefills or waits
+        "background_priority": draw(st.none() | st.just(2), label="background priority"),
     }
 
 
@@ -210,7 +216,8 @@ def requests(draw: st.DrawFn, config: dict, system_prompts: list[list[int]], req
 
 def build_engine(config: dict) -> EngineSim:
     bm = BlockManager(config["num_blocks"], config["block_size"], config["prefix_caching"])
-    return EngineSim(Scheduler(bm, config["max_num_seqs"], config["max_num_batched_tokens"], config["max_num_waiting"]))
+    return EngineSim(Scheduler(bm, config["max_num_seqs"], config["max_num_batched_tokens"], config["max_num_waiting"],
+                               background_priority=config["background_priority"]))
 
 
 def report_coverage(sim: EngineSim) -> None:
@@ -310,9 +317,10 @@ def run_workload(workload: Workload) -> None:
 
 
 def make_engine(num_blocks: int, block_size: int, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
-                max_num_waiting: int = 16) -> EngineSim:
+                max_num_waiting: int = 16, background_priority: int | None = None) -> EngineSim:
     bm = BlockManager(num_blocks, block_size)
-    return EngineSim(Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_num_waiting))
+    return EngineSim(Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_num_waiting,
+                               background_priority=background_priority))
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int, priority: int = 0) -> Sequence:
@@ -420,6 +428,37 @@ def test_a_critical_request_takes_blocks_from_lower_priority_work_when_kv_is_ful
     assert low[1].num_preemptions == 1 and low[0].num_preemptions == 0
     engine.drain()
     assert engine.finished[0] is critical
+
+
+def test_background_decodes_sit_out_an_interactive_prefill_and_resume_unchanged() -> None:
+    engine = make_engine(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=8,
+                         background_priority=10)
+    batch = [request(f"batch{k}", [k + 1] * 4, max_tokens=12, priority=10) for k in range(3)]
+    for seq in batch:
+        engine.submit(seq)
+    engine.step()  # the batch prefills
+    assert [s for s, _ in engine.step().scheduled] == batch  # alone, background work decodes every step
+    interactive = request("chat", [9] * 20, max_tokens=3)  # a 20-token prompt: three steps of 8
+    engine.submit(interactive)
+    prefill_steps = 0
+    while interactive.num_computed_tokens < interactive.num_prompt_tokens:
+        plan = engine.step()
+        assert [s.request_id for s, _ in plan.scheduled] == ["chat"], "only the prompt runs while it prefills"
+        prefill_steps += 1
+    assert prefill_steps == 3 and not engine.scheduler.num_preemptions  # they kept their KV
+    assert {s.request_id for s, _ in engine.step().scheduled} == {"chat", "batch0", "batch1", "batch2"}
+    engine.drain()
+    for seq in batch:
+        assert seq.output_token_ids == run_alone(seq, 64, 4)
+
+
+def test_without_a_background_priority_every_running_sequence_decodes_beside_a_prefill() -> None:
+    engine = make_engine(num_blocks=64, block_size=4, max_num_batched_tokens=8)
+    for k in range(2):
+        engine.submit(request(f"batch{k}", [k + 1] * 4, max_tokens=12, priority=10))
+    engine.step()
+    engine.submit(request("chat", [9] * 20, max_tokens=3))
+    assert {s.request_id for s, _ in engine.step().scheduled} == {"batch0", "batch1", "chat"}
 
 
 def test_equal_priorities_never_preempt_each_other_for_a_slot() -> None:

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from kvfleet.gateway.batch.settings import DEFAULT_SHARE
 from kvfleet.gateway.routing.pick import EndpointSnapshot, SaturationPolicy
 
-BATCH_ENGINE_PRIORITY = 10  # below every interactive class's (vLLM's semantics: lower runs first)
-
 
 @dataclass(frozen=True)
 class BatchRoom:

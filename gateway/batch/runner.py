@@ -31,7 +31,8 @@ import aiohttp
 from redis.exceptions import RedisError
 
 from kvfleet.fleet import headers
-from kvfleet.gateway.batch.capacity import BATCH_ENGINE_PRIORITY, BatchRoom, batch_targets
+from kvfleet.fleet.priority import BATCH_ENGINE_PRIORITY
+from kvfleet.gateway.batch.capacity import BatchRoom, batch_targets
 from kvfleet.gateway.batch.files import FileStore, new_file_id
 from kvfleet.gateway.batch.lines import Line, LineError, read_lines, token_estimate
 from kvfleet.gateway.batch.objects import RUNNING

@@ -19,8 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvfleet.fleet.priority import Priority, engine_priority
-from kvfleet.gateway.batch.capacity import BATCH_ENGINE_PRIORITY
+from kvfleet.fleet.priority import BATCH_ENGINE_PRIORITY, Priority, engine_priority
 from kvfleet.operator.autoscaler import PodLoad
 
 MEAN_PROMPT_TOKENS = 136  # the engine benchmark's prompts: uniform 16-256

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.fleet.lora import DEFAULT_MAX_LORA_RANK
+from kvfleet.fleet.priority import BATCH_ENGINE_PRIORITY
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DRAIN_S = 30  # seconds an engine (kvfleet's --drain-timeout, vLLM's --shutdown-timeout) finishes requests on SIGTERM
@@ -105,6 +106,10 @@ class EngineSettings:
     lora_allowed_dirs: list[str] = setting([], many=True, help="directories POST /v1/load_lora_adapter may load "
                                            "adapters from (default: none, runtime loading off); a path outside "
                                            "them is refused")
+    background_yield: bool = setting(True, help=f"requests of priority {BATCH_ENGINE_PRIORITY} or more (background: "
+                                     "the gateway's Batch API runner sends them so) sit out each step in which a "
+                                     "higher-priority request prefills or waits, so interactive prompts do not "
+                                     "wait on background decodes (kvfleet's)")
     # Benchmark baseline: a batch of up to max_num_seqs forms, then runs until its longest member ends.
     static_batching: bool = setting(False, flag=False)
     # The HTTP server's shared token for /v1/* (None: open).

@@ -43,6 +43,9 @@ _ENGINE_PRIORITY = {Priority.CRITICAL: -2, Priority.STANDARD: ENGINE_DEFAULT_PRI
 # its class inside the engines too (behind critical): the engines' queues and preemption then keep the tenants' fair
 # share (gateway/queue/fair_order.py) instead of undoing it first come, first served.
 UNDER_SHARE_ENGINE_PRIORITY = -1
+# Background work (the Batch API's requests): below every interactive class. kvfleet's engines let requests at this
+# priority or above sit out the steps in which a higher-priority request prefills (engine/scheduler.py).
+BATCH_ENGINE_PRIORITY = 10
 
 
 def parse_priority(value: str | None) -> Priority:
