@@ -12,6 +12,7 @@ from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import Priority, engine_priority
 from kvfleet.fleet.redis_keys import key_prefix
 from kvfleet.gateway.batch.settings import (
+    DEFAULT_FILE_TTL_S,
     DEFAULT_MAX_ACTIVE,
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_LINES,
@@ -167,6 +168,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     b.add_argument("--batch-max-tokens", type=int, default=None, metavar="N",
                    help="the most tokens (prompt estimate + max_tokens) a tenant may have enqueued in unfinished "
                         "batches, OpenAI's batch queue limit (a key's batch_tokens= wins; default: no limit)")
+    b.add_argument("--batch-file-ttl", type=int, default=DEFAULT_FILE_TTL_S, metavar="SECONDS",
+                   help="files (inputs, outputs, errors) without an expires_after are deleted this long after they "
+                        "are made; 0: kept until a client deletes them (default: 30 days, as OpenAI)")
     b.add_argument("--batch-share", type=float, default=DEFAULT_SHARE,
                    help="the most of each engine's batch slots (max_num_seqs) batch requests hold at once")
     lim = d0.http_limits
@@ -225,5 +229,5 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         http_limits=HttpLimits(args.max_header_count, args.max_header_bytes, args.header_timeout, args.body_timeout,
                                args.max_connections),
         batch=BatchSettings(args.batch_dir or args.batch_store, args.batch_max_file_bytes, args.batch_max_lines,
-                            args.batch_max_active, args.batch_share, args.batch_max_tokens)
+                            args.batch_max_active, args.batch_share, args.batch_max_tokens, args.batch_file_ttl)
         if args.batch_dir or args.batch_store else None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import io
 import json
 from pathlib import Path
 
@@ -107,3 +108,77 @@ def test_tenants_take_turns_whatever_their_number_of_batches() -> None:
     order = [runner._next_line(fleet)[0].tenant for _ in range(8)]
     assert collections.Counter(order) == {"a": 4, "b": 4}  # b's one batch runs as fast as a's three together
     assert order == ["a", "b"] * 4
+
+
+@pytest.mark.asyncio
+async def test_files_expire_when_they_say_and_an_unfinished_batchs_input_waits_for_it(engine: str,
+                                                                                         tmp_path: Path) -> None:
+    """OpenAI's retention: a file's expires_after (else --batch-file-ttl), a batch's output_expires_after for its
+    output; a sweep deletes each expired file's body and record, but not the input of a batch still unfinished."""
+    from starlette.datastructures import UploadFile
+
+    redis = RedisServer().start()
+    clock = Clock()
+    gateway = Gateway(GatewayConfig(engines=[engine], redis_url=redis.url, data_plane="python", fleet="retention",
+                                    batch=BatchSettings(str(tmp_path), file_ttl_s=7200)))
+    await gateway.start()
+    api = BatchApi(gateway, clock)  # its runner does not run: the test drives it
+    try:
+        model = httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
+        data = jsonl([request_line("r0", model)])
+
+        async def upload(expires_after: tuple[str, str] | None) -> dict:
+            return await api.service.upload("t", UploadFile(io.BytesIO(data), filename="in.jsonl"), "batch",
+                                            expires_after)
+
+        hour = await upload(("created_at", "3600"))
+        default = await upload(None)
+        assert hour["expires_at"] == hour["created_at"] + 3600 and default["expires_at"] == default["created_at"] + 7200
+        busy = await upload(("created_at", "3600"))
+        await api.service.create("t", {"input_file_id": busy["id"], "endpoint": "/v1/chat/completions",
+                                       "completion_window": "24h"})  # unfinished: no runner takes it
+        clock.offset = 3601.0
+        assert await api.runner.sweep() == 1
+        assert {f["id"] for f in (await api.service.list_files("t", None, None, None, "asc"))["data"]} == {
+            default["id"], busy["id"]}
+        with pytest.raises(FileNotFoundError):
+            api.files.read(hour["id"])
+        assert api.files.read(busy["id"]) == data  # it expires once its batch is done
+        clock.offset = 7201.0
+        assert await api.runner.sweep() == 1 and api.files.read(busy["id"]) == data
+        assert [f["id"] for f in (await api.service.list_files("t", None, None, None, "asc"))["data"]] == [busy["id"]]
+    finally:
+        await api.stop()
+        await gateway.stop()
+        redis.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_batchs_output_files_expire_as_it_asked(engine: str, tmp_path: Path) -> None:
+    redis = RedisServer().start()
+    gateway = Gateway(GatewayConfig(engines=[engine], redis_url=redis.url, data_plane="python", fleet="outputs",
+                                    batch=BatchSettings(str(tmp_path))))
+    await gateway.start()
+    api = BatchApi(gateway)
+    api.start()
+    try:
+        model = httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
+        data = jsonl([request_line("r0", model), request_line("r1", "no-such-model")])
+        put_bytes(api.files, "file-" + "1" * 24, data)
+        await api.state.add_file(FileRecord("file-" + "1" * 24, "t", len(data), 0, "in.jsonl", "batch"))
+        batch = await api.service.create("t", {"input_file_id": "file-" + "1" * 24, "endpoint": "/v1/chat/completions",
+                                               "completion_window": "24h",
+                                               "output_expires_after": {"anchor": "created_at", "seconds": 3600}})
+
+        async def done() -> bool:
+            return (await api.service.retrieve("t", batch["id"]))["status"] == "completed"
+
+        await until(done)
+        finished = await api.service.retrieve("t", batch["id"])
+        for file_id in (finished["output_file_id"], finished["error_file_id"]):
+            record = await api.service.own_file("t", file_id)
+            assert record.expires_at == record.created_at + 3600
+    finally:
+        await api.stop()
+        await gateway.stop()
+        redis.stop()

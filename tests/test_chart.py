@@ -600,7 +600,7 @@ def test_the_batch_api_in_a_bucket_gets_its_url_and_credentials_and_no_claim() -
     gateway = container(docs, "gateway")
     args, _ = parse_cli(gateway)
     assert args.batch_store == "s3://team-batches/prod" and args.batch_dir is None and args.batch_share == 0.5
-    assert args.batch_max_tokens == 2_000_000
+    assert args.batch_max_tokens == 2_000_000 and args.batch_file_ttl == 30 * 24 * 3600
     assert gateway["envFrom"] == [{"secretRef": {"name": "batch-bucket"}}]
     assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
     pod = one(docs, "Deployment", f"{RELEASE}-kvfleet-gateway")["spec"]["template"]["spec"]

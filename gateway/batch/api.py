@@ -30,6 +30,7 @@ from kvfleet.gateway.batch.objects import (
     FINISHED,
     RUNNING,
     check_metadata,
+    expiry_seconds,
     list_limit,
     page,
     public_batch,
@@ -59,12 +60,15 @@ class BatchService:
 
     # Files
 
-    async def upload(self, tenant: str, upload: Any, purpose: Any) -> dict:
+    async def upload(self, tenant: str, upload: Any, purpose: Any, expires_after: tuple[Any, Any] | None = None
+                     ) -> dict:
+        """expires_after: OpenAI's (anchor, seconds) as the form sent them; None: the gateway's --batch-file-ttl."""
         if purpose != "batch":
             raise APIError(400, f"purpose must be \"batch\" (the files this gateway keeps are batch input), not "
                                 f"{purpose!r:.40}", param="purpose")
         if not isinstance(upload, UploadFile):
             raise APIError(400, "send the file as the multipart field `file`", param="file")
+        ttl = self.limits.file_ttl_s if expires_after is None else expiry_seconds(*expires_after, "expires_after")
         size, lines = await asyncio.to_thread(_measure, upload.file)
         if size > self.limits.max_file_bytes:
             raise APIError(413, f"the file is {size} bytes, over this gateway's {self.limits.max_file_bytes}; split "
@@ -75,7 +79,8 @@ class BatchService:
         file_id = new_file_id()
         await store_call(self.files.put_from, file_id, upload.file)
         name = (upload.filename or "batch.jsonl")[:MAX_FILENAME]
-        record = FileRecord(file_id, tenant, size, int(self.clock()), name, "batch")
+        now = int(self.clock())
+        record = FileRecord(file_id, tenant, size, now, name, "batch", now + ttl if ttl else None)
         await self.state.add_file(record)
         return record.public()
 
@@ -112,6 +117,12 @@ class BatchService:
                            param="endpoint")
         window_s = window_seconds(body.get("completion_window"))
         metadata = check_metadata(body.get("metadata"))
+        output_expiry = body.get("output_expires_after")
+        if output_expiry is not None:
+            if not isinstance(output_expiry, dict) or set(output_expiry) != {"anchor", "seconds"}:
+                raise APIError(400, "output_expires_after must be {\"anchor\": \"created_at\", \"seconds\": N}",
+                               param="output_expires_after")
+            output_expiry = expiry_seconds(output_expiry["anchor"], output_expiry["seconds"], "output_expires_after")
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str):
             raise APIError(400, "input_file_id must be the id of a file uploaded with purpose \"batch\"",
@@ -132,7 +143,8 @@ class BatchService:
         now = int(self.clock())
         batch_id = new_batch_id()
         record = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": body["completion_window"],
-                  "created_at": now, "expires_at": now + window_s, "metadata": metadata}
+                  "created_at": now, "expires_at": now + window_s, "metadata": metadata,
+                  "output_expires_after": output_expiry}
         if token_limit is not None:
             record["tokens"] = await self._within_token_limit(file_id, endpoint, unfinished, token_limit)
         await self.state.add_batch(batch_id, tenant, record, "validating", now)
@@ -236,7 +248,9 @@ def install_batch_routes(app: FastAPI, service: BatchService) -> None:
         who = tenant(request)
         try:
             async with request.form(max_files=1, max_fields=4) as form:
-                return JSONResponse(await service.upload(who, form.get("file"), form.get("purpose")))
+                expires = (form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
+                return JSONResponse(await service.upload(who, form.get("file"), form.get("purpose"),
+                                                         None if expires == (None, None) else expires))
         except HTTPException as err:  # starlette's multipart refusals (a malformed or oversized form)
             raise APIError(400, f"send multipart/form-data with the fields file and purpose: {err.detail}"[:300]
                            ) from None

@@ -15,6 +15,20 @@ WINDOW = re.compile(r"^([1-9][0-9]{0,4})(m|h)$")
 MIN_WINDOW_S, MAX_WINDOW_S = 60, 7 * 24 * 3600
 MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 DEFAULT_LIMIT, MAX_LIMIT = 20, 100
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600  # OpenAI's expires_after: one hour to 30 days
+
+
+def expiry_seconds(anchor: object, seconds: object, param: str) -> int:
+    """OpenAI's `expires_after` ({"anchor": "created_at", "seconds": N}): N, from one hour to 30 days. A multipart
+    upload sends both as text fields."""
+    try:
+        value = int(seconds) if isinstance(seconds, (int, str)) and not isinstance(seconds, bool) else 0
+    except ValueError:
+        value = 0
+    if anchor != "created_at" or not MIN_EXPIRY_S <= value <= MAX_EXPIRY_S:
+        raise APIError(400, f"{param} must be {{\"anchor\": \"created_at\", \"seconds\": N}} with N from "
+                            f"{MIN_EXPIRY_S} (an hour) to {MAX_EXPIRY_S} (30 days)", param=param)
+    return value
 
 
 def window_seconds(window: object) -> int:

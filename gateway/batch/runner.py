@@ -42,6 +42,7 @@ log = logging.getLogger("kvfleet.gateway.batch")
 MAX_ATTEMPTS = 5
 RETRY_STATUSES = (429, 502, 503, 504)  # the engine could not take it now: another try, perhaps elsewhere
 SCAN_S = 1.0  # how often the unfinished batches are looked at (claims, cancels, windows)
+SWEEP_S = 60.0  # how often expired files are deleted
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -60,15 +61,20 @@ class Running:
     # per gateway core (its fleet): (share of the batch's requests, mean prompt tokens, mean output tokens)
     shape: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     stopping: str | None = None  # "cancelled" or "expired": send nothing more, finish when in flight is done
+    output_ttl_s: int | None = None  # its output and error files' expiry (the batch's output_expires_after)
 
 
 class BatchRunner:
     def __init__(self, state: BatchState, files: FileStore,
                  models: Callable[[], Awaitable[dict[str, tuple[Any, str]]]],
-                 room: BatchRoom | None = None, clock: Callable[[], float] = time.time, metrics: Any = None) -> None:
+                 room: BatchRoom | None = None, clock: Callable[[], float] = time.time, metrics: Any = None,
+                 file_ttl_s: int = 0) -> None:
         """models(): the model names served now, each with the gateway core (gateway/core.py) that serves it and
-        the name its engines know it by."""
+        the name its engines know it by. file_ttl_s: output files without the batch's output_expires_after expire
+        this long after they are written (0: never)."""
         self.state, self.files, self.models = state, files, models
+        self.file_ttl_s = file_ttl_s
+        self._last_sweep = -math.inf
         self.room, self.clock, self.metrics = room or BatchRoom(), clock, metrics
         self.owner = secrets.token_hex(8)
         self.batches: dict[str, Running] = {}
@@ -108,12 +114,41 @@ class BatchRunner:
                 last_scan = now
                 try:
                     await self._scan()
+                    if now - self._last_sweep >= SWEEP_S:
+                        self._last_sweep = now
+                        await self.sweep()
                 except Exception:  # noqa: BLE001 - Redis away, a bad record: the next scan tries again
                     log.exception("batch scan failed")
             self._dispatch()
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+
+    async def sweep(self) -> int:
+        """Deletes the files whose expiry has passed (body, then record), but not the input of an unfinished batch
+        (it expires once the batch is done); how many. Any replica may sweep: deleting twice is harmless."""
+        expired = await self.state.expired_files(self.clock())
+        if not expired:
+            return 0
+        inputs = set()
+        for batch_id in await self.state.active_batch_ids():
+            fields = await self.state.batch(batch_id)
+            if fields is not None:
+                inputs.add(json.loads(fields["record"])["input_file_id"])
+        deleted = 0
+        for record in expired:
+            if record.id in inputs:
+                continue
+            try:
+                await asyncio.to_thread(self.files.delete, record.id)
+            except OSError as err:  # the store away: the next sweep tries again
+                log.warning("cannot delete the expired file %s now: %s", record.id, err)
+                continue
+            await self.state.remove_file(record)
+            deleted += 1
+        if deleted:
+            log.info("deleted %d expired batch file(s)", deleted)
+        return deleted
 
     # Holding batches
 
@@ -170,7 +205,8 @@ class BatchRunner:
             await self.state.release(batch_id, self.owner)
             return None
         lines = await asyncio.to_thread(lambda: list(read_lines(data, record["endpoint"], cores.__contains__)))
-        running = Running(batch_id, fields["tenant"], record["endpoint"], int(record["expires_at"]), cores)
+        running = Running(batch_id, fields["tenant"], record["endpoint"], int(record["expires_at"]), cores,
+                          output_ttl_s=record.get("output_expires_after"))
         if status == "validating" or "total" not in fields:  # new, or cancelled before it was validated
             for line in lines:
                 if isinstance(line, LineError):
@@ -242,8 +278,10 @@ class BatchRunner:
             data = b"".join(json.dumps(a["out"]).encode() + b"\n" for a in answers)
             file_id = new_file_id()
             size = await asyncio.to_thread(self.files.put_from, file_id, io.BytesIO(data))
-            await self.state.add_file(FileRecord(file_id, running.tenant, size, int(self.clock()),
-                                                 f"{running.id}_{suffix}.jsonl", "batch_output"))
+            now = int(self.clock())
+            ttl = running.output_ttl_s or self.file_ttl_s
+            await self.state.add_file(FileRecord(file_id, running.tenant, size, now, f"{running.id}_{suffix}.jsonl",
+                                                 "batch_output", now + ttl if ttl else None))
             out[key] = file_id
         return out
 

@@ -48,12 +48,13 @@ class FileRecord:
     created_at: int
     filename: str
     purpose: str
+    expires_at: int | None = None  # Unix seconds; None: kept until deleted
 
     def public(self) -> dict:
         """The File object as OpenAI answers it."""
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
-                "filename": self.filename, "purpose": self.purpose, "status": "processed", "expires_at": None,
-                "status_details": None}
+                "filename": self.filename, "purpose": self.purpose, "status": "processed",
+                "expires_at": self.expires_at, "status_details": None}
 
 
 class BatchState:
@@ -70,6 +71,8 @@ class BatchState:
         async with self.redis.pipeline(transaction=True) as p:
             p.hset(k.batch_files_key(self.fleet), record.id, json.dumps(record.__dict__))
             p.zadd(k.batch_tenant_files_key(self.fleet, record.tenant), {record.id: record.created_at})
+            if record.expires_at is not None:
+                p.zadd(k.batch_file_expiry_key(self.fleet), {record.id: record.expires_at})
             await p.execute()
 
     async def file(self, tenant: str, file_id: str) -> FileRecord | None:
@@ -93,7 +96,20 @@ class BatchState:
         async with self.redis.pipeline(transaction=True) as p:
             p.hdel(k.batch_files_key(self.fleet), record.id)
             p.zrem(k.batch_tenant_files_key(self.fleet, record.tenant), record.id)
+            p.zrem(k.batch_file_expiry_key(self.fleet), record.id)
             await p.execute()
+
+    async def expired_files(self, now: float, limit: int = 100) -> list[FileRecord]:
+        """Files whose expiry has passed, the oldest expiry first (at most `limit`)."""
+        ids = await self.redis.zrangebyscore(redis_keys.batch_file_expiry_key(self.fleet), "-inf", now, 0, limit)
+        if not ids:
+            return []
+        raws = await self.redis.hmget(redis_keys.batch_files_key(self.fleet), ids)
+        found = [FileRecord(**json.loads(r)) for r in raws if r is not None]
+        gone = [i for i, r in zip(ids, raws, strict=True) if r is None]
+        if gone:  # deleted by a client meanwhile
+            await self.redis.zrem(redis_keys.batch_file_expiry_key(self.fleet), *gone)
+        return found
 
     # Batches
 

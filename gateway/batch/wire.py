@@ -40,7 +40,7 @@ class BatchApi:
         self.state = BatchState(self.redis, c.fleet)
         self.files = open_store(settings.store)
         self.runner = BatchRunner(self.state, self.files, gateway.batch_models, BatchRoom(share=settings.share),
-                                  clock=clock, metrics=gateway.metrics)
+                                  clock=clock, metrics=gateway.metrics, file_ttl_s=settings.file_ttl_s)
         self.service = BatchService(self.state, self.files, settings, self.tenant_of, self.runner.wake, clock,
                                     self.token_limit_of)
 

@@ -117,6 +117,11 @@ def batch_tenant_files_key(fleet: str, tenant: str) -> str:
     return key_prefix(fleet) + f"batch:tenant:{tenant}:files"
 
 
+def batch_file_expiry_key(fleet: str) -> str:
+    """ZSET file id -> the Unix second it expires (files with an expiry only)."""
+    return key_prefix(fleet) + "batch:file-expiry"
+
+
 def batch_key(fleet: str, batch_id: str) -> str:
     """Hash: a batch's record, status, times, total and result file ids."""
     return key_prefix(fleet) + f"batch:{batch_id}"

@@ -258,6 +258,7 @@ gateway container alone (the bootstrap needs no secret). */}}
 - --batch-max-lines={{ int64 $g.batch.maxLines }}
 - --batch-max-active={{ int64 $g.batch.maxActive }}
 - --batch-share={{ $g.batch.share }}
+- --batch-file-ttl={{ int64 $g.batch.fileTtlSeconds }}
 {{- with $g.batch.maxTokens }}
 - --batch-max-tokens={{ int64 . }}
 {{- end }}
