@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-share", type=float, default=None, help="the gateway's --batch-share (default: its own)")
     p.add_argument("--no-loop", action="store_true", help="skip phase C (the client loop)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="FLAG",
+                   help="repeatable: a `kvfleet engine` flag for both engines, e.g. --engine-arg=--background-yield")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     model = model_dir(args.model)
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = EngineSettings(model=str(model), max_model_len=1024, kv_cache_memory="256MiB",
                                       max_num_seqs=args.max_num_seqs)
             engines.append(spawn(f"engine-{i}", ["engine", *settings.to_args(), "--host", "127.0.0.1", "--port",
-                                                 str(port)], f"http://127.0.0.1:{port}", work))
+                                                 str(port), *args.engine_arg], f"http://127.0.0.1:{port}", work))
         for engine in engines:
             wait_for(engine, "/ready", 600)
         port = free_port()

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def list_workloads() -> str:
-    return "\n".join(f"{name:<8} {make.__doc__.splitlines()[0]}" for name, make in WORKLOADS.items())
+    return "\n".join(f"{name:<12} {make.__doc__.splitlines()[0]}" for name, make in WORKLOADS.items())
 
 
 def load_trace(args: argparse.Namespace) -> tuple[Trace, str]:

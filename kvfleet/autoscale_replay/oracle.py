@@ -1,5 +1,6 @@
 """The oracle: a replica schedule planned with the whole trace known in advance, the cheapest found that meets
-each class's attainment target in the same simulator, under the same cold start.
+each class's attainment target in the same simulator, under the same cold start, among the requests any policy could
+serve in time (a request whose prefill alone exceeds its objective is missed whatever the replicas: slo.feasible).
 
 How it plans: the trace is cut into 15 s buckets; a bucket needs the pods that the work arriving over the last
 minute (prefill plus decode at a full batch, for the classes with a target) keeps busy at a utilization rho; each
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from kvfleet.autoscale_replay.engine_model import EngineModel, Request
 from kvfleet.autoscale_replay.fleet import FleetView, Run
-from kvfleet.autoscale_replay.slo import Slo, attainment
+from kvfleet.autoscale_replay.slo import Slo, feasible
 
 BUCKET_S = 15
 WINDOW_S = 60  # a request stays ~a minute in a full batch: its work spreads over that long
@@ -71,7 +72,7 @@ def plan(requests: list[Request], duration_s: int, engine: EngineModel, slo: Slo
     def run(needs: list[int]) -> tuple[Run, bool, list[int]]:
         counter[0] += 1
         result = simulate(Schedule(needs, engine.cold_start_s))
-        return result, slo.met(attainment(result, slo)), _missed_buckets(result, slo, buckets)
+        return result, slo.met(feasible(result, slo)[1]), _missed_buckets(result, slo, buckets)
 
     best: tuple[int, list[int], Run] | None = None
     fallback: tuple[list[int], Run] | None = None
@@ -113,7 +114,9 @@ def _needs(busy: list[float], rho: float, max_replicas: int) -> list[int]:
 
 
 def _missed_buckets(run: Run, slo: Slo, buckets: int) -> list[int]:
-    """The buckets in which requests of a class that misses its target arrived and missed their objective."""
-    short = {p for p, a in attainment(run, slo).items() if a is not None and a < slo.attainment[p]}
-    return sorted({min(buckets - 1, int(r.arrival) // BUCKET_S) for r in run.requests if r.priority in short and (
-        r.first_token is None or r.first_token - r.arrival > slo.ttft_s[r.priority])})
+    """The buckets in which requests of a class that misses its target arrived and missed an objective they could
+    have met (their prefill alone fits it)."""
+    short = {p for p, a in feasible(run, slo)[1].items() if a is not None and a < slo.attainment[p]}
+    return sorted({min(buckets - 1, int(r.arrival) // BUCKET_S) for r in run.requests if r.priority in short
+                   and r.prefill_s <= slo.ttft_s[r.priority]
+                   and (r.first_token is None or r.first_token - r.arrival > slo.ttft_s[r.priority])})

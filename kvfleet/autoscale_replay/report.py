@@ -30,6 +30,13 @@ def format_table(results: dict[str, dict], source: str) -> str:
                 + f"; cold start {settings['engine']['cold_start_s']} s; shed requests miss")
     if "oracle" in results and not results["oracle"].get("meets_targets", True):
         rows.append("the oracle found no schedule meeting the targets within --max-replicas")
+    first = next(iter(results.values()))
+    short = [c for c in classes if first["feasible"][c] is not None and first["feasible"][c] < 1]
+    if short:
+        rows.append("of the requests any policy could serve in time (prefill alone within the objective; "
+                    + ", ".join(f"{_pct(first['feasible'][c])} of {c}" for c in short) + "):")
+        rows.extend(f"{name:<11} " + " ".join(f"{_pct(r['feasible_attainment'][c]):>10}" for c in classes)
+                    for name, r in results.items())
     if any("batch" in r for r in results.values()):
         rows.extend(batch_rows(results))
     return "\n".join(rows)

@@ -56,6 +56,21 @@ def attainment(run: Run, slo: Slo) -> dict[Priority, float | None]:
     return {p: met[p] / total[p] if total[p] else None for p in Priority}
 
 
+def feasible(run: Run, slo: Slo) -> tuple[dict[Priority, float | None], dict[Priority, float | None]]:
+    """Per class: the share of its requests any policy could serve in time (their prefill alone fits the
+    objective: a pod free the moment they arrive), and the share of those that were served in time. The misses of
+    the rest are the trace's, not the policy's."""
+    possible, met = dict.fromkeys(Priority, 0), dict.fromkeys(Priority, 0)
+    total = dict.fromkeys(Priority, 0)
+    for r in run.requests:
+        total[r.priority] += 1
+        if r.prefill_s <= slo.ttft_s[r.priority]:
+            possible[r.priority] += 1
+            met[r.priority] += r.first_token is not None and r.first_token - r.arrival <= slo.ttft_s[r.priority]
+    return ({p: possible[p] / total[p] if total[p] else None for p in Priority},
+            {p: met[p] / possible[p] if possible[p] else None for p in Priority})
+
+
 def score(run: Run, slo: Slo) -> dict:
     """The documented shape: slo_attainment and shed per class, replica_seconds (every pod that costs, each
     second of the trace); beside them the requests per class."""
@@ -64,6 +79,9 @@ def score(run: Run, slo: Slo) -> dict:
     for r in run.requests:
         requests[r.priority] += 1
         shed[r.priority] += r.shed
+    share, among = feasible(run, slo)
     return {"slo_attainment": {p.value: a for p, a in attainment(run, slo).items()},
+            "feasible": {p.value: v for p, v in share.items()},
+            "feasible_attainment": {p.value: v for p, v in among.items()},
             "replica_seconds": sum(run.pods), "shed": {p.value: n for p, n in shed.items()},
             "requests": {p.value: n for p, n in requests.items()}} | ({"batch": run.batch} if run.batch else {})

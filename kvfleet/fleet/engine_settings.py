@@ -106,10 +106,11 @@ class EngineSettings:
     lora_allowed_dirs: list[str] = setting([], many=True, help="directories POST /v1/load_lora_adapter may load "
                                            "adapters from (default: none, runtime loading off); a path outside "
                                            "them is refused")
-    background_yield: bool = setting(True, help=f"requests of priority {BATCH_ENGINE_PRIORITY} or more (background: "
+    # Off by default: measured beside the Batch API it did not lower the interactive p99 (docs/benchmarks.md)
+    background_yield: bool = setting(False, help=f"requests of priority {BATCH_ENGINE_PRIORITY} or more (background: "
                                      "the gateway's Batch API runner sends them so) sit out each step in which a "
-                                     "higher-priority request prefills or waits, so interactive prompts do not "
-                                     "wait on background decodes (kvfleet's)")
+                                     "higher-priority request prefills or waits (kvfleet's; measured: no gain in "
+                                     "interactive p99 TTFT on CPUs)")
     # Benchmark baseline: a batch of up to max_num_seqs forms, then runs until its longest member ends.
     static_batching: bool = setting(False, flag=False)
     # The HTTP server's shared token for /v1/* (None: open).
