@@ -102,7 +102,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_waiting,
             config.static_batching, config.max_loras if self.lora_slots is not None else None,
-            BATCH_ENGINE_PRIORITY if config.background_yield else None,
+            BATCH_ENGINE_PRIORITY if config.background_yield else None, config.long_prefill_token_threshold,
         )
         self.runner = ModelRunner(self.model, self.backend, self.device, self._capture_graphs() if graphs else None,
                                   self.lora_slots)

@@ -54,6 +54,7 @@ class Scheduler:
         static_batching: bool = False,
         max_loras: int | None = None,
         background_priority: int | None = None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -62,6 +63,8 @@ class Scheduler:
         self.static_batching = static_batching
         self.max_loras = max_loras  # distinct adapters in the running batch (None: LoRA off)
         self.background_priority = background_priority  # at or above it, a request yields (None: none does)
+        # the most prompt tokens of one sequence per step (vLLM's long_prefill_token_threshold; 0: the budget's)
+        self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by (priority, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -114,7 +117,7 @@ class Scheduler:
             seq = self.running[index]
             if seq.priority >= background:  # sorted by priority: every one from here on sits this step out
                 break
-            num_new = min(seq.num_new_tokens, budget)
+            num_new = min(seq.num_new_tokens, budget, self.chunk_cap)
             while not self.block_manager.allocate(seq, num_new):
                 out_of_blocks = True
                 victim = self.running.pop()  # lowest priority, latest arrival
@@ -162,7 +165,7 @@ class Scheduler:
     def _first_chunk(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
         """A waiting sequence's cached prefix blocks, and the new tokens it would compute on admission."""
         cached = self.block_manager.find_cached_prefix(seq)
-        return cached, min(seq.num_tokens - self.block_manager.cached_prefix_tokens(cached), budget)
+        return cached, min(seq.num_tokens - self.block_manager.cached_prefix_tokens(cached), budget, self.chunk_cap)
 
     def _may_admit(self) -> bool:
         """Static batching admits only while its batch is forming: until a member starts decoding."""

@@ -131,6 +131,7 @@ class EngineSim:
         running = {id(s) for s in sched.running}
         for seq, n in plan.scheduled:
             assert 1 <= n <= seq.num_new_tokens, f"{seq.request_id} scheduled for {n} of {seq.num_new_tokens} tokens"
+            assert n <= sched.chunk_cap, f"{seq.request_id}: {n} tokens in one step, over the long-prefill cap"
             assert id(seq) in running and seq.status is SequenceStatus.RUNNING
             assert len(seq.block_table) >= self.bm.blocks_needed(seq.num_computed_tokens + n)
             self.check_own_kv(seq)  # a newly admitted sequence's prefix-cache hits hold its own tokens
@@ -196,6 +197,7 @@ def engine_configs(draw: st.DrawFn, tight: bool = False) -> dict:
         "max_num_waiting": draw(st.integers(1, 6), label="max num waiting"),
         # priority 2 (of 0-2) as background: it sits out steps in which a higher priority prefills or waits
         "background_priority": draw(st.none() | st.just(2), label="background priority"),
+        "long_prefill": draw(st.just(0) | st.integers(1, 8), label="long prefill token threshold"),
     }
 
 
@@ -217,7 +219,8 @@ def requests(draw: st.DrawFn, config: dict, system_prompts: list[list[int]], req
 def build_engine(config: dict) -> EngineSim:
     bm = BlockManager(config["num_blocks"], config["block_size"], config["prefix_caching"])
     return EngineSim(Scheduler(bm, config["max_num_seqs"], config["max_num_batched_tokens"], config["max_num_waiting"],
-                               background_priority=config["background_priority"]))
+                               background_priority=config["background_priority"],
+                               long_prefill_token_threshold=config["long_prefill"]))
 
 
 def report_coverage(sim: EngineSim) -> None:
@@ -459,6 +462,20 @@ def test_without_a_background_priority_every_running_sequence_decodes_beside_a_p
     engine.step()
     engine.submit(request("chat", [9] * 20, max_tokens=3))
     assert {s.request_id for s, _ in engine.step().scheduled} == {"batch0", "batch1", "chat"}
+
+
+def test_a_long_prefill_is_chunked_so_a_critical_prompt_starts_after_one_chunk() -> None:
+    bm = BlockManager(64, 4)
+    engine = EngineSim(Scheduler(bm, 8, 64, 16, long_prefill_token_threshold=8))
+    long = request("long", [1] * 40, max_tokens=2)
+    engine.submit(long)
+    assert engine.step().scheduled == [(long, 8)]  # 8 of its 40 prompt tokens
+    critical = request("critical", [2] * 6, max_tokens=2, priority=-1)
+    engine.submit(critical)
+    plan = engine.step()
+    assert (critical, 6) in plan.scheduled and (long, 8) in plan.scheduled  # both go on; neither waits the other
+    engine.drain()
+    assert long.output_token_ids == run_alone(long, 64, 4)
 
 
 def test_equal_priorities_never_preempt_each_other_for_a_slot() -> None:

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--prefill-tokens-per-s", type=float, default=defaults.prefill_tokens_per_s)
     m.add_argument("--kv-per-request", type=float, default=defaults.kv_per_request,
                    help="share of a pod's KV cache one running request holds")
+    m.add_argument("--prefill-chunk-tokens", type=int, default=defaults.prefill_chunk_tokens,
+                   help="the most prompt tokens of one request a step computes (the engines' "
+                        "--long-prefill-token-threshold): a higher-priority prompt starts after the current chunk of "
+                        "one already prefilling; 0: whole prompts (default)")
     return p
 
 
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     engine = EngineModel(capacity_rps=args.capacity, max_num_seqs=args.max_num_seqs,
                          prefill_tokens_per_s=args.prefill_tokens_per_s, kv_per_request=args.kv_per_request,
-                         cold_start_s=args.cold_start)
+                         cold_start_s=args.cold_start, prefill_chunk_tokens=args.prefill_chunk_tokens)
     slo = Slo(parse_classes(args.slo, "--slo", DEFAULT_TTFT_S),
               parse_classes(args.attainment, "--attainment", DEFAULT_ATTAINMENT))
     settings = Settings(engine, slo, args.max_replicas)

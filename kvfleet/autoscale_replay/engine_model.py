@@ -34,12 +34,16 @@ class EngineModel:
     half_rate_batch: float = 25.0  # decode gives half its asymptote at this batch (0.074 s + 2.9 ms/seq steps)
     kv_per_request: float = 0.011  # ~11 of the 1,024 blocks at the mean context of the shape
     cold_start_s: int = 30  # image pull and model load
+    # the most prompt tokens of one request a step computes (vLLM's --long-prefill-token-threshold); 0: a whole
+    # prompt in one go. A prompt of higher priority starts at the next chunk of one already prefilling.
+    prefill_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not (self.capacity_rps > 0 and self.max_num_seqs >= 1 and self.prefill_tokens_per_s > 0
-                and self.half_rate_batch >= 0 and self.cold_start_s >= 0 and 0 < self.kv_per_request <= 1):
-            raise ValueError("capacity_rps, max_num_seqs and prefill_tokens_per_s must be positive, half_rate_batch "
-                             "and cold_start_s >= 0, kv_per_request in (0, 1]")
+                and self.half_rate_batch >= 0 and self.cold_start_s >= 0 and 0 < self.kv_per_request <= 1
+                and self.prefill_chunk_tokens >= 0):
+            raise ValueError("capacity_rps, max_num_seqs and prefill_tokens_per_s must be positive, half_rate_batch, "
+                             "cold_start_s and prefill_chunk_tokens >= 0, kv_per_request in (0, 1]")
         if self.capacity_rps * self.mean_prefill_s >= 1:
             raise ValueError(f"{self.capacity_rps} requests/s would leave no time to decode after "
                              f"{self.mean_prefill_s:.2f} s prefills; lower capacity_rps")
@@ -95,7 +99,9 @@ class Pod:
         self.engine, self.ready_at, self.draining = engine, ready_at, False
         self.running: list[tuple[float, int, Request]] = []  # heap by the decode progress at which each ends
         self.waiting: list[tuple[int, int, Request]] = []  # beyond max_num_seqs: heap by (engine priority, order)
-        self.prefills: deque[tuple[float, Request]] = deque()  # (start, request) by start; trimmed by metrics()
+        # (start, seconds, request) by start, a prompt in one piece or, split by a higher-priority prompt, several;
+        # trimmed by metrics()
+        self.prefills: deque[tuple[float, float, Request]] = deque()
         self.progress = 0.0  # decode work every running request has received since the pod started
         self.prefill_free_at = 0.0
         self._queued = 0  # requests ever put in waiting: first come, first served within a priority
@@ -106,9 +112,11 @@ class Pod:
 
     def metrics(self, now: float) -> PodLoad:
         """What its /metrics would say now: KV usage, running, waiting."""
-        while self.prefills and self.prefills[0][0] <= now:
-            self.prefills.popleft()
-        pending = len(self.prefills)
+        while self.prefills and self.prefills[0][0] + self.prefills[0][1] <= now:
+            self.prefills.popleft()  # done
+        begun = {id(r) for start, _, r in self.prefills if start <= now}
+        # not begun: waiting, as vLLM counts it (a split prompt whose first piece is done counts so again)
+        pending = len({id(r) for start, _, r in self.prefills if start > now} - begun)
         running = len(self.running) - pending
         e = self.engine
         return PodLoad(running * e.kv_per_request, running, len(self.waiting) + pending, e.max_num_seqs,
@@ -158,10 +166,7 @@ class Pod:
         self.running[k] = self.running[-1]
         self.running.pop()
         heapq.heapify(self.running)
-        for i, (_, queued) in enumerate(self.prefills):
-            if queued is victim:
-                del self.prefills[i]
-                break
+        self.prefills = deque(piece for piece in self.prefills if piece[2] is not victim)
         if victim.first_token is not None and victim.first_token > now:  # its prefill had not finished
             victim.first_token = None
         victim.resumed = victim.first_token is not None
@@ -172,17 +177,34 @@ class Pod:
     def _admit(self, request: Request, now: float) -> None:
         heapq.heappush(self.running, (self.progress + request.work, request.rid, request))
         at = len(self.prefills)
-        while at and self.prefills[at - 1][0] > now and self.prefills[at - 1][1].order > request.order:
+        while at and self.prefills[at - 1][0] > now and self.prefills[at - 1][2].order > request.order:
             at -= 1  # ahead of the prompts of lower priority that have not begun
-        if at == len(self.prefills):
-            self.prefills.append((max(now, self.prefill_free_at), request))
-        else:
-            self.prefills.insert(at, (self.prefills[at][0], request))
+        piece = (max(now, self.prefill_free_at) if at == len(self.prefills) else self.prefills[at][0],
+                 request.prefill_s, request)
+        self.prefills.insert(at, piece)
+        if at and self.engine.prefill_chunk_tokens:
+            at = self._split_before(at, now)
         start = self.prefills[at][0]  # the prompts from here on prefill back to back
         for k in range(at, len(self.prefills)):
-            queued = self.prefills[k][1]
-            self.prefills[k] = (start, queued)
-            start += queued.prefill_s
+            _, seconds, queued = self.prefills[k]
+            self.prefills[k] = (start, seconds, queued)
+            start += seconds
             if not queued.resumed:
-                queued.first_token = start
+                queued.first_token = start  # its last piece's end
         self.prefill_free_at = start
+
+    def _split_before(self, at: int, now: float) -> int:
+        """A lower-priority prompt prefilling now (just before `at`) stops at the end of its current chunk; its rest
+        goes after the newly admitted prompt. The index the back-to-back schedule is recomputed from."""
+        start, seconds, running = self.prefills[at - 1]
+        arrived = self.prefills[at][2]
+        if not (start <= now < start + seconds) or running.order <= arrived.order:
+            return at
+        chunk_s = self.engine.prefill_chunk_tokens / self.engine.prefill_tokens_per_s
+        boundary = start + chunk_s * (math.floor((now - start) / chunk_s) + 1)
+        if boundary >= start + seconds - 1e-9:
+            return at
+        self.prefills[at - 1] = (start, boundary - start, running)
+        self.prefills[at] = (boundary, self.prefills[at][1], arrived)
+        self.prefills.insert(at + 1, (0.0, start + seconds - boundary, running))
+        return at

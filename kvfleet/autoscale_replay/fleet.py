@@ -176,7 +176,7 @@ class Fleet:
     def _critical_outstanding(pod: Pod, now: float) -> int:
         """Critical requests a pod has not yet begun to prefill: all a new critical request would wait behind."""
         waiting = sum(1 for _, _, r in pod.waiting if r.priority is Priority.CRITICAL)
-        return waiting + sum(1 for start, r in pod.prefills if start > now and r.priority is Priority.CRITICAL)
+        return waiting + sum(1 for start, _, r in pod.prefills if start > now and r.priority is Priority.CRITICAL)
 
     def _hold(self, request: Request) -> None:
         """Queue the request, or shed it: sheddable traffic never waits, and a full class takes no more."""

@@ -70,6 +70,10 @@ class EngineSettings:
                                 crd=CrdField("maxNumSeqs", 1, 4096, ENGINE_DEFAULT))
     max_num_batched_tokens: int = setting(2048, help="token budget of one step", minimum=1)
     max_num_waiting: int = setting(1024, help="longest waiting queue before rejecting", minimum=0)
+    long_prefill_token_threshold: int = setting(0, minimum=0, help="the most prompt tokens of one request a step "
+                                                "computes (vLLM's flag): a long prompt takes several steps, and a "
+                                                "prompt of higher priority starts after its current chunk instead of "
+                                                "its whole prefill; 0: off")
     block_size: int = setting(16, help="tokens per KV block", minimum=1,
                               crd=CrdField("blockSize", default=ENGINE_DEFAULT, enum=BLOCK_SIZES))
     # Bytes once EngineConfig has read it; CPU default 1 GiB, CUDA sizes from gpu_memory_utilization.
