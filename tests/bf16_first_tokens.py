@@ -2,7 +2,7 @@
 first tokens with their top logprobs, written as JSON to the file named, so that the parent can choose the process's
 oneDNN instruction set (ONEDNN_MAX_CPU_ISA, read once when oneDNN starts) and read which one ran (ONEDNN_VERBOSE).
 
-    python -m tests.bf16_first_tokens MODEL_DIR OUT_JSON
+    python -m tests.bf16_first_tokens MODEL_DIR OUT_JSON [QUESTIONS]     # the first QUESTIONS only (default: all)
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from kvfleet.engine.sampling_params import SamplingParams
 from tests.test_hf_parity import FIRST_TOKENS, TOP_LOGPROBS, chat_prompts
 
 
-def main(model_dir: Path, out: Path) -> None:
+def main(model_dir: Path, out: Path, count: int | None = None) -> None:
     engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=16, max_model_len=256, max_num_seqs=8,
                                     dtype="bfloat16"), show_progress=False)
     params = SamplingParams(max_tokens=FIRST_TOKENS, temperature=0.0, logprobs=TOP_LOGPROBS, ignore_eos=True)
     answers: dict[str, list[dict]] = {}
-    for i, prompt in enumerate(chat_prompts(model_dir)):
+    for i, prompt in enumerate(chat_prompts(model_dir, count)):
         engine.add_request(str(i), prompt, params)
         answers[str(i)] = []
     while engine.has_unfinished_requests():
@@ -37,4 +37,4 @@ def main(model_dir: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)

@@ -55,7 +55,7 @@ def test_a_key_names_the_highest_class_it_may_claim_and_defaults_to_the_gateways
     (f"{STANDARD_KEY} max_class=standard max_class=critical", "keys.txt line 1: max_class= is given twice"),
     (f"max_class=standard {STANDARD_KEY}", "keys.txt line 1: the key must come first, before max_class="),
     (f"{STANDARD_KEY} maxclass=standard", "expected name=, rpm=, tpm=, weight=, max_queued=, max_inflight=, "
-                                          "allow_priority=, allow_fallback= or max_class="),
+                                          "allow_priority=, allow_fallback=, max_class= or batch_tokens="),
 ])
 def test_a_malformed_max_class_names_the_line_and_what_to_write(line: str, error: str) -> None:
     with pytest.raises(ValueError) as raised:

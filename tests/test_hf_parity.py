@@ -17,7 +17,7 @@ from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.packed_linear import can_pack
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.fleet.cpu_features import host_cpu_flags
+from kvfleet.fleet.cpu_features import flags_have_bf16, host_cpu_flags
 
 QUESTIONS = [
     "Hi",
@@ -32,6 +32,9 @@ QUESTIONS = [
     "and say for each language whether the greeting is formal or informal, with a short example of "
     "a reply that a friend might give in the same language.",
 ]
+# Where the CPU has no bfloat16 instructions (torch emulates them, ~3x slower; the engine's default there is float32),
+# the bfloat16 check runs on the first questions only: the same code paths, a fifth of the suite's minute.
+EMULATED_QUESTIONS = 3
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parent.parent
 TOP_LOGPROBS, FIRST_TOKENS = 5, 3  # per answer, in the bfloat16 check
@@ -41,12 +44,12 @@ SYSTEM = ("You are a careful assistant for a fleet of language model servers. An
           "and never invent facts you are not sure about.")
 
 
-def chat_prompts(tokenizer_dir: Path) -> list[list[int]]:
+def chat_prompts(tokenizer_dir: Path, count: int | None = None) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     return [
         list(tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
                                      add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-        for q in QUESTIONS
+        for q in QUESTIONS[:count]
     ]
 
 
@@ -114,10 +117,12 @@ def test_smollm2_matches_transformers(smollm2_dir: Path) -> None:
     check_parity(smollm2_dir, kv_blocks=24, max_new_tokens=16)
 
 
-def bf16_answers(model_dir: Path, tmp_path: Path, env: dict[str, str]) -> tuple[dict, list[str]]:
-    """The engine's first tokens in bfloat16 in a process of its own, and the oneDNN kernels that ran there."""
+def bf16_answers(model_dir: Path, tmp_path: Path, env: dict[str, str], count: int | None) -> tuple[dict, list[str]]:
+    """The engine's first tokens in bfloat16 in a process of its own (for the first `count` questions, None: all),
+    and the oneDNN kernels that ran there."""
     out = tmp_path / "answers.json"
-    done = subprocess.run([sys.executable, "-m", "tests.bf16_first_tokens", str(model_dir), str(out)],
+    done = subprocess.run([sys.executable, "-m", "tests.bf16_first_tokens", str(model_dir), str(out),
+                           *([str(count)] if count else [])],
                           env={**os.environ, **env, "ONEDNN_VERBOSE": "1"}, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -145,13 +150,14 @@ def test_smollm2_in_bfloat16_on_the_cpu_answers_as_transformers_within_bfloat16s
     flags = host_cpu_flags() or frozenset()
     if isa == "avx512_bf16" and not {"amx_bf16", "avx512_bf16"} <= flags:
         pytest.skip("the AVX-512 BF16 path below AMX is checked apart only on a CPU with both (else: this-cpu)")
+    count = None if flags_have_bf16(flags) else EMULATED_QUESTIONS
     got, kernels = bf16_answers(smollm2_dir, tmp_path,
-                                {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"} if isa == "avx512_bf16" else {})
+                                {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"} if isa == "avx512_bf16" else {}, count)
     assert got["decode_in_place"]
     assert got["packed"] == can_pack(CPU, torch.bfloat16)
     if got["packed"]:  # the path this case names is the one that ran
         assert kernels and all(("amx" in k) == (isa == "this-cpu" and "amx_bf16" in flags) for k in kernels), kernels
-    prompts = chat_prompts(smollm2_dir)
+    prompts = chat_prompts(smollm2_dir, count)
     exact = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     rounded = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
     worst_engine = worst_hf = 0.0

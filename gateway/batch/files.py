@@ -7,6 +7,7 @@ Every failure of the store is an OSError (FileNotFoundError: no such file), so c
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import secrets
@@ -118,7 +119,12 @@ class ObjectStore:
             raise ValueError(f"--batch-store takes s3://BUCKET[/PREFIX], not {url[:200]!r}")
         self.url = url
         try:
-            self.store = from_url(url)
+            # a few quick retries, not obstore's default of 10 over up to 3 minutes: a client waits on an upload, and
+            # a store that stays away is a 503 it can retry (the runner retries on its own)
+            self.store = from_url(url, retry_config={
+                "max_retries": 3, "retry_timeout": datetime.timedelta(seconds=15),
+                "backoff": {"init_backoff": datetime.timedelta(milliseconds=100),
+                            "max_backoff": datetime.timedelta(seconds=2), "base": 2.0}})
         except Exception as err:  # noqa: BLE001 - obstore's configuration errors: say which
             raise ValueError(f"--batch-store {url[:200]}: {err}") from None
 
