@@ -135,6 +135,7 @@ def test_the_command_reports_each_job_against_its_deadline(tmp_path: Path) -> No
     (HEADER + "0,1e9,10,10,600\n", "line 2: requests is '1e9'"),
     (HEADER + "0,10,10,10,30\n", "at least 60 seconds"),
     (HEADER + "0,10,10,10,9e99\n", "window_s is '9e99'"),
+    (HEADER + "600000,10,10,10,86400\n", "past the 604,800 s (a week) a replay covers"),
     (HEADER + "nan,10,10,10,600\n", "t is 'nan'"),
     (HEADER + "0,10,-4,10,600\n", "prompt_tokens is '-4'"),
     (HEADER + "0,10,10\n", "no value for output_tokens, window_s"),

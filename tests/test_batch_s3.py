@@ -6,6 +6,7 @@ Retry-After, recording nothing. Real parts: a tiny-model engine, the gateway pro
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -65,7 +66,7 @@ def test_a_bucket_that_does_not_exist_stops_the_gateway_at_start_with_a_message(
     try:
         done = subprocess.run([sys.executable, "-m", "kvfleet.cli", "gateway", "--engine", batch_engine,
                                "--port", "0", "--redis-url", redis.url, "--batch-store", "s3://no-such-bucket/x"],
-                              capture_output=True, text=True, timeout=60, env={**_environ(), **s3.env()})
+                              capture_output=True, text=True, timeout=60, env={**os.environ, **s3.env()})
     finally:
         redis.stop()
     assert done.returncode != 0
@@ -98,8 +99,3 @@ def test_a_store_that_goes_away_answers_503_with_retry_after_and_records_nothing
     assert {f.id for f in c.files.list()} == before  # the refused upload left no record
     assert httpx.get(f"{gateway}/ready", timeout=10).status_code == 200  # interactive serving is not affected
 
-
-def _environ() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)

@@ -43,6 +43,7 @@ MAX_ATTEMPTS = 5
 RETRY_STATUSES = (429, 502, 503, 504)  # the engine could not take it now: another try, perhaps elsewhere
 SCAN_S = 1.0  # how often the unfinished batches are looked at (claims, cancels, windows)
 SWEEP_S = 60.0  # how often expired files are deleted
+SWEEP_FILES = 100  # the most files one sweep deletes
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -127,11 +128,13 @@ class BatchRunner:
     async def sweep(self) -> int:
         """Deletes the files whose expiry has passed (body, then record), but not the input of an unfinished batch
         (it expires once the batch is done); how many. Any replica may sweep: deleting twice is harmless."""
-        expired = await self.state.expired_files(self.clock())
+        active = await self.state.active_batch_ids()
+        # each unfinished batch keeps at most one expired file (its input): past those, a full sweep's worth
+        expired = await self.state.expired_files(self.clock(), SWEEP_FILES + len(active))
         if not expired:
             return 0
         inputs = set()
-        for batch_id in await self.state.active_batch_ids():
+        for batch_id in active:
             fields = await self.state.batch(batch_id)
             if fields is not None:
                 inputs.add(json.loads(fields["record"])["input_file_id"])

@@ -99,7 +99,7 @@ class BatchState:
             p.zrem(k.batch_file_expiry_key(self.fleet), record.id)
             await p.execute()
 
-    async def expired_files(self, now: float, limit: int = 100) -> list[FileRecord]:
+    async def expired_files(self, now: float, limit: int) -> list[FileRecord]:
         """Files whose expiry has passed, the oldest expiry first (at most `limit`)."""
         ids = await self.redis.zrangebyscore(redis_keys.batch_file_expiry_key(self.fleet), "-inf", now, 0, limit)
         if not ids:

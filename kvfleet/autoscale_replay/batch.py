@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet.autoscale_replay.engine_model import MEAN_OUTPUT_TOKENS, EngineModel, Pod, Request
-from kvfleet.autoscale_replay.trace import TraceError, csv_rows, parse_time, parse_tokens
+from kvfleet.autoscale_replay.trace import MAX_TIME_S, TraceError, csv_rows, parse_time, parse_tokens
 from kvfleet.gateway.batch.capacity import BatchRoom
 from kvfleet.gateway.routing.pick import EndpointSnapshot
 from kvfleet.operator.autoscaler import PodLoad
@@ -66,7 +66,11 @@ def parse_jobs(rows: Iterable[tuple[int, list[str]]], name: str) -> tuple[BatchJ
         if seconds < 60:
             raise TraceError(f"{name} line {line}: window_s is {window[:40]!r}; a completion window is at least "
                              "60 seconds (the Batch API's 1m)")
-        jobs.append(BatchJob(parse_time(t, name, line), count, parse_tokens(prompt, "prompt_tokens", name, line),
+        start = parse_time(t, name, line)
+        if start + seconds > MAX_TIME_S:  # the replay runs to the last deadline, a second at a time
+            raise TraceError(f"{name} line {line}: the job's window ends {start + seconds:,.0f} s from the start, past "
+                             f"the {MAX_TIME_S:,} s (a week) a replay covers; start it earlier or shorten window_s")
+        jobs.append(BatchJob(start, count, parse_tokens(prompt, "prompt_tokens", name, line),
                              parse_tokens(output, "output_tokens", name, line), seconds))
     if not jobs:
         raise TraceError(f"{name}: no batch jobs after the header; add one row per job ({','.join(JOB_COLUMNS)})")
