@@ -67,7 +67,7 @@ def test_affinity_scores_as_the_inference_extension_does() -> None:
                snapshot("went-last-but-full", running=["a", "b"], last=["sql"])]
     assert LoraAffinity().scores(engines, RoutingContext(adapter="sql")) == [1.0, 0.8, 0.6, 0.0, 1.0, 0.0, 0.0, 0.9,
                                                                              0.0]
-    assert LoraAffinity().scores(engines, RoutingContext()) == [1.0] * len(engines)  # the base model's request
+    assert LoraAffinity().scores(engines, RoutingContext()) == [0.0] * len(engines)  # the base model's request
 
 
 def test_the_kvfleet_strategy_sends_an_adapter_where_it_is_active() -> None:

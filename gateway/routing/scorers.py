@@ -51,11 +51,13 @@ class LoraAffinity:
     a free adapter slot, 0.6 where it only waits there, 0 where the engine is full of other adapters or does not
     serve it. One step kvfleet adds: among engines with a free slot, 0.9 for the one its latest request went to (its
     weights likely still read there, in host memory or a slot), so an idle adapter returns where it was.
-    Requests of the base model score alike everywhere."""
+    Requests of the base model score 0 everywhere: a signal alike for every candidate must add nothing to the totals,
+    since adding a constant moves sums across the tie tolerance by rounding (0.95 and 0.9 are 0.05 apart; 3.95 and
+    3.9 are not, in floating point) and so would change which engines count as tied."""
 
     def scores(self, endpoints: Sequence[EndpointSnapshot], request: RoutingContext) -> list[float]:
         if request.adapter is None:
-            return [1.0] * len(endpoints)
+            return [0.0] * len(endpoints)
         return [self.score(e, request.adapter) for e in endpoints]
 
     @staticmethod
