@@ -1,5 +1,6 @@
 """ASGI middleware: with a shared token set, every /v1/* route, /tokenize, /detokenize and the KV-event stream
-(they carry prompts or their token ids) need `Authorization: Bearer <token>`.
+(they carry prompts or their token ids), and /sleep and /wake_up (they change the engine's state) need
+`Authorization: Bearer <token>`.
 
 /health, /ready and /metrics stay open (probes and Prometheus; a NetworkPolicy guards them). The token is compared in
 constant time; a missing or wrong one gets a 401 in OpenAI's error shape.
@@ -16,7 +17,8 @@ from kvfleet.fleet.headers import AUTHORIZATION
 from kvfleet.fleet.kv_events import KV_EVENTS_PATH
 
 _AUTHORIZATION = AUTHORIZATION.encode()
-PROTECTED_PREFIXES = ("/v1/", KV_EVENTS_PATH, "/tokenize", "/detokenize")  # everything that carries prompts
+PROTECTED_PREFIXES = ("/v1/", KV_EVENTS_PATH, "/tokenize", "/detokenize",  # everything that carries prompts
+                      "/sleep", "/wake_up")  # and what changes the engine's state (sleep mode)
 
 
 def is_authorized(authorization: bytes | None, token: bytes) -> bool:

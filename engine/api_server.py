@@ -26,7 +26,7 @@ from kvfleet.engine.async_engine import AsyncEngine, EngineDeadError
 from kvfleet.engine.kv_event_hub import KVEventHub
 from kvfleet.engine.kv_events_api import install_kv_event_routes
 from kvfleet.engine.kv_events_zmq import VllmKVEvents
-from kvfleet.engine.llm_engine import RequestError
+from kvfleet.engine.llm_engine import EngineAsleepError, RequestError
 from kvfleet.engine.lora_api import adapter_cards, install_lora_routes, requested_adapter
 from kvfleet.engine.lora_registry import LoraSpec
 from kvfleet.engine.metrics import EngineMetrics
@@ -44,6 +44,7 @@ from kvfleet.engine.request_checks import StrictJSONRoute, check_prompt_chars
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import QueueFullError
 from kvfleet.engine.sglang_compat_api import install_sglang_compat_routes
+from kvfleet.engine.sleep_api import install_sleep_routes
 from kvfleet.engine.vllm_compat_api import install_vllm_compat_routes
 from kvfleet.fleet.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvfleet.fleet.errors import APIError, engine_fault, install_error_handlers
@@ -129,8 +130,8 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
 
     @app.get("/ready", responses={503: {"description": "loading or draining"}})
     async def ready() -> JSONResponse:
-        if state.engine is None or state.draining:
-            reason = "draining" if state.draining else "loading"
+        if state.engine is None or state.draining or state.engine.sleeping:
+            reason = "draining" if state.draining else "loading" if state.engine is None else "sleeping"
             return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ready"})
 
@@ -153,6 +154,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
     install_vllm_compat_routes(app, state)
     install_sglang_compat_routes(app, state)
     install_lora_routes(app, state)
+    install_sleep_routes(app, state)
     app.router.add_event_handler("startup", state.vllm_kv_events.start)
     app.router.add_event_handler("shutdown", state.vllm_kv_events.stop)
 
@@ -318,6 +320,9 @@ async def _start(state: ServerState, engine: AsyncEngine, prompt: str | list[int
         raise APIError(429, str(err), "rate_limit_exceeded", headers={RETRY_AFTER: "1"}) from err
     except EngineDeadError as err:
         raise engine_fault(str(err)) from err
+    except EngineAsleepError as err:
+        state.metrics.rejected.labels("asleep").inc()
+        raise APIError(503, str(err), "service_unavailable", code="engine_asleep", headers={RETRY_AFTER: "1"}) from err
 
     async def chained() -> AsyncIterator[RequestOutput]:
         try:

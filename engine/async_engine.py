@@ -7,16 +7,17 @@ thread-safe inbox and get outputs back on their event loop with call_soon_thread
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet.engine.kv_event_hub import KVEventHub
-from kvfleet.engine.llm_engine import EngineStats, LLMEngine
+from kvfleet.engine.llm_engine import EngineAsleepError, EngineStats, LLMEngine
 from kvfleet.engine.lora_registry import LoraRegistry, LoraSpec
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.outputs import RequestOutput
@@ -82,6 +83,24 @@ class AsyncEngine:
         """The adapters served (thread-safe: the API server's threads register, the engine thread reads)."""
         return self.engine.lora_registry
 
+    @property
+    def sleeping(self) -> bool:
+        return self.engine.sleeping
+
+    async def sleep(self) -> None:
+        """Release the KV cache (LLMEngine.sleep, on the engine thread); EngineBusyError while requests run."""
+        await self._on_engine_thread(self.engine.sleep)
+
+    async def wake_up(self) -> None:
+        await self._on_engine_thread(self.engine.wake_up)
+
+    async def _on_engine_thread(self, call: Callable[[], None]) -> None:
+        if not self.is_alive:
+            raise EngineDeadError("the engine has stopped")
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._send("call", (call, done))
+        await asyncio.wrap_future(done)
+
     def stats(self) -> EngineStats:
         """The engine's counts now (blocks, running and waiting requests, prefix hits)."""
         return self.engine.stats()
@@ -99,6 +118,9 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError("the engine has stopped")
+        if self.engine.sleeping:  # the engine thread refuses it too, should it fall asleep meanwhile
+            raise EngineAsleepError("the engine is asleep (sleep mode); wake it with POST /wake_up, or send the "
+                                    "request to another replica")
         # Tokenizing a long prompt takes milliseconds: do it off the event loop.
         seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, request_id, priority, lora)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -162,7 +184,14 @@ class AsyncEngine:
                 command, payload = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(payload, Sequence):
+            if command == "call":
+                call, done = payload
+                try:
+                    call()
+                    done.set_result(None)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    done.set_exception(exc)
+            elif isinstance(payload, Sequence):
                 try:
                     self.engine.add_sequence(payload)
                 except Exception as exc:  # noqa: BLE001 - handed to the request's caller

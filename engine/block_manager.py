@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvfleet.engine.sequence import Sequence
-from kvfleet.fleet.kv_events import BlockRemoved, BlockStored, KVEvent, block_name
+from kvfleet.fleet.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, block_name
 
 # A random root per process: no prompt can be crafted offline to share another's block hashes.
 _HASH_ROOT = os.urandom(32)
@@ -46,6 +46,17 @@ class BlockManager:
         self.prefix_hits = 0  # of those, tokens found
         # what the prefix cache stored and evicted since take_events(), when someone listens (engine/kv_event_hub.py)
         self.events: list[KVEvent] | None = None
+
+    def clear(self) -> None:
+        """Forget every cached block (the KV cache is released: sleep mode). Only while no sequence holds a block."""
+        if self.num_free_blocks != self.num_blocks:
+            raise RuntimeError("blocks are held: the cache is cleared only while no request runs")
+        self.cached_blocks.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        self.free_queue = OrderedDict.fromkeys(range(self.num_blocks))
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
 
     def take_events(self) -> list[KVEvent]:
         events, self.events = self.events, []

@@ -70,6 +70,14 @@ class EngineStats:
     lora_slot_loads: int = 0
 
 
+class EngineAsleepError(RuntimeError):
+    """The engine sleeps (sleep mode): it runs nothing until woken."""
+
+
+class EngineBusyError(RuntimeError):
+    """Requests are in flight: the engine sleeps only when idle."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
@@ -119,6 +127,7 @@ class LLMEngine:
         self.slot_seconds = 0.0  # how long finished requests held a batch slot (a moving average)
         self.decode_fit = DecodeStepFit(config.max_num_seqs)  # decode step time against batch size
         self.profile: StepProfile | None = None  # set one to learn where the steps' time goes (step_profile.py)
+        self.sleeping = False  # sleep mode: the KV cache released (sleep(), wake_up())
 
     def _use_cuda_graphs(self) -> bool:
         return (self.device.type == "cuda" and self.attention_backend == "triton" and not self.config.enforce_eager
@@ -208,7 +217,37 @@ class LLMEngine:
             raise RequestError("this engine serves no LoRA adapters (start it with --enable-lora)")
         return Sequence(request_id or uuid.uuid4().hex, token_ids, params, priority=priority, lora=lora)
 
+    def sleep(self) -> None:
+        """Release the KV cache, as vLLM's sleep level 1 does (its contents, the prefix cache, are forgotten; a KV
+        event says so). The weights stay where they are: on a CPU they are in host memory already; on a GPU they stay
+        on it (vLLM's level 1 also copies them to host memory). Only an idle engine sleeps; asleep, it refuses
+        requests until wake_up()."""
+        if self.sleeping:
+            return
+        if self.has_unfinished_requests():
+            raise EngineBusyError(f"{len(self.requests)} requests are in flight; an engine sleeps only when idle: "
+                                  "stop sending it requests (drain it) and retry")
+        self.block_manager.clear()
+        self.runner.graphs = None  # captured graphs address the released cache
+        self.backend.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.sleeping = True
+
+    def wake_up(self) -> None:
+        """Take the KV cache back (the same number of blocks), and recapture CUDA graphs where they are used."""
+        if not self.sleeping:
+            return
+        graphs = self._use_cuda_graphs()
+        self.backend.allocate_kv_cache(self.capacity.num_blocks + (1 if graphs else 0))
+        if graphs:
+            self.runner.graphs = self._capture_graphs()
+        self.sleeping = False
+
     def add_sequence(self, seq: Sequence) -> None:
+        if self.sleeping:
+            raise EngineAsleepError("the engine is asleep (sleep mode); wake it with POST /wake_up, or send the "
+                                    "request to another replica")
         if seq.request_id in self.requests:
             raise RequestError(f"request id {seq.request_id!r} is already in flight; use a unique id")
         self.scheduler.add(seq)

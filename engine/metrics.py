@@ -92,7 +92,7 @@ class EngineMetrics:
                                buckets=LATENCY_BUCKETS, registry=r)
         self.batch = Histogram(names.BATCH_SIZE, "sequences in a step", buckets=BATCH_BUCKETS, registry=r)
         self.step = Histogram(names.STEP_SECONDS, "time of one engine step", buckets=LATENCY_BUCKETS, registry=r)
-        for reason in ("queue_full", "invalid", "draining"):
+        for reason in ("queue_full", "invalid", "draining", "asleep"):
             self.rejected.labels(reason)
         self.startup = Gauge(names.STARTUP_SECONDS, "seconds of each start-up phase, process start to ready",
                              ["phase"], registry=r)

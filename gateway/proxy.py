@@ -86,8 +86,8 @@ class Forwarder:
             if url is None:
                 break
             tried.add(url)
-            self.router.dispatched(hashes, url)
-            upstream = await self._send(url, path, raw_body, headers, request_id, critical)
+            tokens = self.router.dispatched(hashes, url)
+            upstream = await self._send(url, path, raw_body, headers, request_id, tokens if critical else None)
             if isinstance(upstream, str):
                 last_error = upstream
                 self.metrics.retries.labels("connect_error" if attempt == 0 else "gave_up").inc()
@@ -110,13 +110,14 @@ class Forwarder:
 
     async def _send(self, url: str, path: str, raw_body: bytes,
                     headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str,
-                    critical: bool = False) -> Upstream | str:
+                    critical_tokens: int | None = None) -> Upstream | str:
         """The engine's answer once its headers arrive (a kvfleet engine sends them with the first output), or why
-        none came. A critical request counts in the engine's critical_pending until then, whatever happens."""
+        none came. A critical request (of critical_tokens prompt tokens to compute there) counts in the engine's
+        critical_pending until then, whatever happens."""
         sent_at = time.monotonic()
         request = self.client.build_request("POST", url + path, content=raw_body,
                                             headers=upstream_headers(headers, request_id, self.config.engine_api_key))
-        started = self.pool.critical_sent(url) if critical else nothing_counted
+        started = self.pool.critical_sent(url, critical_tokens) if critical_tokens is not None else nothing_counted
         try:
             async with self._bounded(url, self.config.upstream_first_byte_timeout_s):
                 response = await self.client.send(request, stream=True)

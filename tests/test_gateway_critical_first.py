@@ -34,9 +34,10 @@ POLICY = SaturationPolicy(max_queue=2)
 
 
 def snapshot(url: str, waiting_: int = 5, critical: int = 0, running: int = 1, age_s: float = 0.01,
-             healthy: bool = True) -> EndpointSnapshot:
+             healthy: bool = True, critical_tokens: int = 0, rate: float | None = None) -> EndpointSnapshot:
     return EndpointSnapshot(url, healthy, kv_cache_usage=0.5, num_waiting=waiting_, num_running=running,
-                            metrics_age_s=age_s, max_num_seqs=1, critical_pending=critical)
+                            metrics_age_s=age_s, max_num_seqs=1, critical_pending=critical,
+                            critical_pending_tokens=critical_tokens, prefill_rate=rate)
 
 
 # ---- the decision, pure -------------------------------------------------------------------------------------------
@@ -68,27 +69,48 @@ def test_it_goes_to_the_engine_with_the_fewest_critical_pending_then_the_least_l
     full = [snapshot("a", critical=2, waiting_=3), snapshot("b", critical=2, waiting_=9)]
     assert pick(strategy, full, RoutingContext(), rng, critical=POLICY) is None  # it queues
     assert pick(strategy, fleet, RoutingContext(), rng) is None  # not critical, or --no-critical-first
+    # an engine is available, but a critical request would wait there behind another: the saturated engine runs it
+    # first, at once (the strategy decides only for the other classes)
     idle = [snapshot("a", waiting_=0, running=0, critical=1), snapshot("b", critical=0, waiting_=9)]
-    own = pick(strategy, idle, RoutingContext(), random.Random(2))  # an engine is available: the strategy decides
-    assert pick(strategy, idle, RoutingContext(), random.Random(2), critical=POLICY) == own
+    assert pick(strategy, idle, RoutingContext(), random.Random(2)).url == "a"
+    assert pick(strategy, idle, RoutingContext(), random.Random(2), critical=POLICY).url == "b"
+
+
+@pytest.mark.parametrize("routing", ["kvfleet", "round-robin"])
+def test_it_goes_where_it_starts_soonest_counting_the_critical_prompt_tokens_ahead_of_it(routing: str) -> None:
+    """One long critical prompt ahead takes longer than two short ones; a faster engine clears its share sooner;
+    the prompt's own tokens cached on an engine start it sooner there."""
+    strategy, rng = strategy_named(routing, policy=POLICY), random.Random(3)
+    fleet = [snapshot("a", critical=1, critical_tokens=900, rate=500.0),
+             snapshot("b", critical=1, critical_tokens=300, rate=500.0)]  # one below the queue limit each
+    assert pick(strategy, fleet, RoutingContext(num_tokens=100), rng, critical=POLICY).url == "b"
+    fast = [snapshot("a", critical=1, critical_tokens=900, rate=2000.0),
+            snapshot("b", critical=1, critical_tokens=300, rate=500.0)]
+    assert pick(strategy, fast, RoutingContext(num_tokens=100), rng, critical=POLICY).url == "a"  # 0.5 s vs 0.8 s
+    unmeasured = [snapshot("a", critical=1, critical_tokens=900), snapshot("b", critical=1, critical_tokens=300,
+                                                                          rate=500.0)]
+    assert pick(strategy, unmeasured, RoutingContext(num_tokens=100), rng, critical=POLICY).url == "b"  # a at b's rate
+    cached = RoutingContext(prefix_matches={"a": 1.0}, num_tokens=800)  # a: 300 tokens ahead, 0 own; b: 0 + 800
+    assert pick(strategy, [snapshot("a", critical=1, critical_tokens=300, rate=500.0),
+                           snapshot("b", critical=0, rate=500.0)], cached, rng, critical=POLICY).url == "a"
 
 
 def test_the_count_is_taken_back_once_however_often_the_end_is_reported() -> None:
     pool = EndpointPool()
     pool.set_urls(["http://a"])
     pool.record_scrape("http://a", EngineLoad(kv_cache_usage=0.1, num_waiting=0, num_running=0))
-    first, second = pool.critical_sent("http://a"), pool.critical_sent("http://a")
-    assert pool.snapshots()[0].critical_pending == 2
+    first, second = pool.critical_sent("http://a", 120), pool.critical_sent("http://a", 30)
+    assert (pool.snapshots()[0].critical_pending, pool.snapshots()[0].critical_pending_tokens) == (2, 150)
     first()
     first()  # headers came, then the stream ended: one request, one decrement
-    assert pool.snapshots()[0].critical_pending == 1
+    assert (pool.snapshots()[0].critical_pending, pool.snapshots()[0].critical_pending_tokens) == (1, 30)
     pool.set_urls([])  # the engine left the pool, then came back: the old request's end leaves the new count alone
     pool.set_urls(["http://a"])
     third = pool.critical_sent("http://a")
     second()
     assert pool.endpoints["http://a"].critical_pending == 1
     third()
-    assert pool.endpoints["http://a"].critical_pending == 0
+    assert (pool.endpoints["http://a"].critical_pending, pool.endpoints["http://a"].critical_tokens) == (0, 0)
     pool.critical_sent("http://gone")()  # an engine not in the pool: nothing counted, nothing to take back
 
 

@@ -25,6 +25,7 @@ class EndpointState:
     dispatch_tokens: float = 0.0  # a moving average of the prompt tokens (not cached there) of requests sent to it
     open_requests: int = 0
     critical_pending: int = 0  # critical requests sent to it whose answer has not started (EndpointPool.critical_sent)
+    critical_tokens: int = 0  # their prompt tokens not cached there
     consecutive_failures: int = 0
     ejected_until: float = 0.0
     waits: dict[asyncio.Timeout, float] = field(default_factory=dict)  # waits on its answers -> loop time begun
@@ -127,14 +128,17 @@ class EndpointPool:
             if url in self.endpoints:
                 self.endpoints[url].adapters_last.discard(oldest)
 
-    def critical_sent(self, url: str) -> Callable[[], None]:
-        """A critical request sent to the engine: counted in its critical_pending until the returned call, which the
-        sender makes once the answer starts or the request ends without one (error, retry, client gone); calls
-        after the first do nothing, so a count can neither leak nor go twice."""
+    def critical_sent(self, url: str, tokens: int = 0) -> Callable[[], None]:
+        """A critical request (of `tokens` prompt tokens not cached there) sent to the engine: counted in its
+        critical_pending and critical_tokens until the returned call, which the sender makes once the answer starts or
+        the request ends without one (error, retry, client gone); calls after the first do nothing, so a count can
+        neither leak nor go twice."""
         state = self.endpoints.get(url)
         if state is None:
             return nothing_counted
+        tokens = max(0, tokens)
         state.critical_pending += 1
+        state.critical_tokens += tokens
         counted = True
 
         def started() -> None:
@@ -142,6 +146,7 @@ class EndpointPool:
             if counted:
                 counted = False
                 state.critical_pending = max(0, state.critical_pending - 1)
+                state.critical_tokens = max(0, state.critical_tokens - tokens)
         return started
 
     def record_done(self, url: str, ok: bool | None, now: float | None = None) -> bool:
@@ -190,6 +195,7 @@ class EndpointPool:
                 prefill_rate=load.prefill_tokens_per_second if load else None,
                 in_flight_tokens=round(unseen(s) * s.dispatch_tokens),
                 slot_seconds=load.request_slot_seconds if load else None, critical_pending=s.critical_pending,
+                critical_pending_tokens=s.critical_tokens,
                 lora=load.lora if load else None, adapters_sent=frozenset(s.adapters_sent),
                 adapters_served=s.adapters_served, adapters_last=frozenset(s.adapters_last)))
         return out

@@ -63,6 +63,7 @@ class EndpointPicker(ExternalProcessorServicer):
         priority = DEFAULT_PRIORITY
         modes = modes_of(first)
         url: str | None = None
+        tokens = 0  # the chosen engine's prompt tokens to compute for it
         fleet = [self.gateway]  # the fleet the request was admitted to, once known (its metrics count it)
         try:
             refuse_unroutable(modes)
@@ -70,7 +71,7 @@ class EndpointPicker(ExternalProcessorServicer):
                 priority = parse_priority(request_headers.get(headers.PRIORITY))
             except ValueError as err:
                 raise APIError(400, str(err), param=headers.PRIORITY) from None
-            url = await self._decide(context, request_headers, priority, first.request_headers.end_of_stream,
+            url, tokens = await self._decide(context, request_headers, priority, first.request_headers.end_of_stream,
                                      subset_hint(first), modes, request_id, fleet.append)
         except APIError as err:
             # counted before the answer goes: Envoy may end the stream once it has the answer, which cancels this
@@ -90,7 +91,7 @@ class EndpointPicker(ExternalProcessorServicer):
         gateway.pool.watch(url, silent)
         # a critical request waits to start until the answer's headers come (a gateway that sends them to its
         # picker), else, with our own Envoy's response_header_mode SKIP, until the request ends
-        started = gateway.pool.critical_sent(url) if priority is Priority.CRITICAL else nothing_counted
+        started = gateway.pool.critical_sent(url, tokens) if priority is Priority.CRITICAL else nothing_counted
         try:
             async with silent:
                 while (message := await context.read()) is not grpc.aio.EOF:
@@ -108,7 +109,9 @@ class EndpointPicker(ExternalProcessorServicer):
 
     async def _decide(self, context: grpc.aio.ServicerContext, request_headers: Mapping[str, str],
                       priority, no_body: bool, subset: frozenset[str] | None = None, modes: Modes = OWN,
-                      request_id: str | None = None, on_fleet: Callable[[Gateway], None] | None = None) -> str:
+                      request_id: str | None = None, on_fleet: Callable[[Gateway], None] | None = None
+                      ) -> tuple[str, int]:
+        """The engine the request goes to, and its prompt tokens that engine computes (Router.dispatched)."""
         front = self.gateway
         limits = front.config.http_limits
         left = asyncio.Event()
@@ -150,7 +153,7 @@ class EndpointPicker(ExternalProcessorServicer):
                 admitted.settlement.refund()  # nothing will be generated, as the Python proxy refunds
             raise APIError(503, "no engine is available; retry later", "service_unavailable", code="no_engine",
                            headers={headers.RETRY_AFTER: "1"})
-        gateway.router.dispatched(admitted.hashes, url)
+        tokens = gateway.router.dispatched(admitted.hashes, url)
         message = route_to(urls, admitted.body if admitted.changed else None, gateway.config.engine_api_key,
                            request_id)
         if self.feed is not None:  # the ticket Envoy's access log entry brings back with the answer's usage
@@ -166,7 +169,7 @@ class EndpointPicker(ExternalProcessorServicer):
                 await context.write(answer)
         else:
             await context.write(message)
-        return url
+        return url, tokens
 
 
 def engine_went_silent(url: str) -> APIError:

@@ -32,6 +32,7 @@ class EndpointSnapshot:
     in_flight_tokens: int = 0  # prompt tokens of this gateway's dispatches since the scrape
     slot_seconds: float | None = None  # how long a request holds one of its batch slots; None: not known
     critical_pending: int = 0  # critical requests this gateway sent that have not started there (no headers yet)
+    critical_pending_tokens: int = 0  # their prompt tokens not cached there: the prefill a new critical one waits for
     scrape_interval_s: float = 0.0  # how often it is scraped (an engine slow to render its metrics, less often)
     lora: LoraInfo | None = None  # its adapter cap and active adapters, when it serves adapters
     adapters_sent: frozenset[str] = frozenset()  # adapters of this gateway's dispatches since the scrape
@@ -178,6 +179,30 @@ def critical_room(endpoints: Sequence[EndpointSnapshot], policy: SaturationPolic
     return [e for e in endpoints if e.healthy and not policy.is_stale(e) and e.critical_pending < policy.max_queue]
 
 
+def typical_rate(endpoints: Sequence[EndpointSnapshot]) -> float | None:
+    """The fleet's median measured prefill rate. An engine that has not measured its own yet (just started, or idle
+    since) is taken to be this fast: fleets serve one model, and a constant would favour or shun it wrongly."""
+    rates = sorted(e.prefill_rate for e in endpoints if e.prefill_rate)
+    return rates[len(rates) // 2] if rates else None
+
+
+def soonest_critical_start(room: Sequence[EndpointSnapshot], request: RoutingContext,
+                           rng: random.Random) -> EndpointSnapshot:
+    """Where a critical request's first token comes soonest: engines run critical prompts first (and preempt lower
+    classes for them), so it waits only for the critical prompts this gateway sent there that have not started,
+    then computes its own tokens not cached there; each over the engine's prefill rate (the fleet's median where
+    it has not measured its own; tokens alone where none has). Ties (token counts unknown) go to the engine with
+    fewer critical requests pending, then fewer outstanding requests, then at random. Counting prompts rather than their length sent a short critical prompt behind a long
+    one while another engine was free of critical work (the replay's held-out bursts: kvfleet/autoscale_replay)."""
+    fleet_rate = typical_rate(room) or 1.0
+
+    def start_s(e: EndpointSnapshot) -> float:
+        own = request.num_tokens * (1.0 - request.prefix_matches.get(e.url, 0.0))
+        return (e.critical_pending_tokens + own) / (e.prefill_rate or fleet_rate)
+
+    return min(room, key=lambda e: (start_s(e), e.critical_pending, outstanding(e), rng.random()))
+
+
 def serving(endpoints: list[EndpointSnapshot], adapter: str | None) -> list[EndpointSnapshot]:
     """The engines a request may go to: for an adapter, those whose /v1/models lists it or has not been read yet
     (a pod that has not loaded it would answer 404: a new pod before the operator's load, a pod of another fleet
@@ -190,13 +215,13 @@ def serving(endpoints: list[EndpointSnapshot], adapter: str | None) -> list[Endp
 
 def pick(strategy: Strategy, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
          rng: random.Random, critical: SaturationPolicy | None = None) -> EndpointSnapshot | None:
-    """The strategy's choice among the endpoints not excluded. With `critical` (a critical request, --critical-first)
-    while none is available, the one with room for it (critical_room) with the fewest critical requests pending,
-    then the least loaded. With request.must, a healthy endpoint is returned even when all are saturated: the least
-    loaded one."""
+    """The strategy's choice among the endpoints not excluded. With `critical` (a critical request, --critical-first),
+    among those with room for it (critical_room, saturated or not), the one where it starts soonest
+    (soonest_critical_start). With request.must, a healthy endpoint is returned even when all are saturated: the
+    least loaded one."""
     endpoints = [e for e in endpoints if e.url not in request.exclude]
-    if critical is not None and not available(endpoints, critical) and (room := critical_room(endpoints, critical)):
-        return min(room, key=lambda e: (e.critical_pending, outstanding(e), rng.random()))
+    if critical is not None and (room := critical_room(endpoints, critical)):
+        return soonest_critical_start(room, request, rng)
     chosen = strategy.choose(endpoints, request, rng)
     if chosen is None and request.must:
         healthy = [e for e in endpoints if e.healthy]

@@ -54,12 +54,14 @@ class Router:
         ranked = self.rank(hashes, exclude, must, critical)
         return ranked[0] if ranked else None
 
-    def dispatched(self, hashes: PromptKeys, url: str) -> None:
+    def dispatched(self, hashes: PromptKeys, url: str) -> int:
         """The request goes to url: the prompt tokens the engine likely computes for it count on the engine until
         its next scrape, the routed metric counts it, and the prefix it sends is taken as held there (the next
-        requests sharing it follow before the engine's own events say so)."""
-        self.pool.record_dispatch(url, self.prefix.uncached_tokens(hashes, url), hashes.adapter)
+        requests sharing it follow before the engine's own events say so). Returns those tokens."""
+        tokens = self.prefix.uncached_tokens(hashes, url)
+        self.pool.record_dispatch(url, tokens, hashes.adapter)
         self.metrics.labelled(self.metrics.routed, url).inc()
         if hashes.adapter is not None:
             self.metrics.labelled(self.metrics.lora_requests, hashes.adapter).inc()
         self.prefix.record(hashes, url)
+        return tokens

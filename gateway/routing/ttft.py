@@ -8,14 +8,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvfleet.gateway.routing.pick import EndpointSnapshot, RoutingContext, SaturationPolicy, available
-
-
-def typical_rate(endpoints: Sequence[EndpointSnapshot]) -> float | None:
-    """The fleet's median measured prefill rate. An engine that has not measured its own yet (just started, or idle
-    since) is taken to be this fast: fleets serve one model, and a constant would favour or shun it wrongly."""
-    rates = sorted(e.prefill_rate for e in endpoints if e.prefill_rate)
-    return rates[len(rates) // 2] if rates else None
+from kvfleet.gateway.routing.pick import EndpointSnapshot, RoutingContext, SaturationPolicy, available, typical_rate
 
 
 def near_best(estimates: Sequence[float], candidates: Sequence[EndpointSnapshot], tolerance: float, floor_s: float,

@@ -138,12 +138,15 @@ class Fleet:
         self.queue.clear()
         self.queued_by_class = dict.fromkeys(Priority, 0)
         critical = [self._critical_outstanding(pod, now) for pod, _ in scraped]
+        ahead = [self._critical_start_s(pod, now) for pod, _ in scraped]
         for at, request in pending:
             if self.critical_first and request.priority is Priority.CRITICAL and critical:
-                k = min(range(len(critical)), key=lambda i: (critical[i], scraped[i][1].running + len(sent[i])))
+                # where it would start soonest: the engines run critical prompts first, so only those count
+                k = min(range(len(critical)), key=lambda i: (ahead[i], scraped[i][1].running + len(sent[i])))
                 if critical[k] < self.saturation_waiting:  # it waits there only behind critical requests
                     sent[k].append((at, request))
                     critical[k] += 1
+                    ahead[k] += request.prefill_s
                     continue
             while heap and self._saturated(*scraped[heap[0][1]], len(sent[heap[0][1]]), now):
                 heapq.heappop(heap)  # saturated pods stay so until the next scrape
@@ -177,6 +180,15 @@ class Fleet:
         """Critical requests a pod has not yet begun to prefill: all a new critical request would wait behind."""
         waiting = sum(1 for _, _, r in pod.waiting if r.priority is Priority.CRITICAL)
         return waiting + sum(1 for start, _, r in pod.prefills if start > now and r.priority is Priority.CRITICAL)
+
+    @staticmethod
+    def _critical_start_s(pod: Pod, now: float) -> float:
+        """What the gateway counts ahead of a critical request on a pod (EndpointSnapshot.critical_pending_tokens):
+        the prefill of every critical request it sent there whose first token has not come, in seconds."""
+        pending = {id(r): r for _, _, r in pod.prefills if r.priority is Priority.CRITICAL
+                   and (r.first_token is None or r.first_token > now)}
+        pending.update((id(r), r) for _, _, r in pod.waiting if r.priority is Priority.CRITICAL)
+        return sum(r.prefill_s for r in pending.values())
 
     def _hold(self, request: Request) -> None:
         """Queue the request, or shed it: sheddable traffic never waits, and a full class takes no more."""

@@ -115,6 +115,10 @@ class EngineSettings:
                                      "the gateway's Batch API runner sends them so) sit out each step in which a "
                                      "higher-priority request prefills or waits (kvfleet's; measured: no gain in "
                                      "interactive p99 TTFT on CPUs)")
+    # vLLM's flag: POST /sleep frees the KV cache of an idle engine, POST /wake_up takes it back (engine/sleep_api.py)
+    enable_sleep_mode: bool = setting(False, help="serve POST /sleep, POST /wake_up and GET /is_sleeping (vLLM's): "
+                                      "an idle engine releases its KV cache and wakes in about a second, for an "
+                                      "autoscaler's warm pool")
     # Benchmark baseline: a batch of up to max_num_seqs forms, then runs until its longest member ends.
     static_batching: bool = setting(False, flag=False)
     # The HTTP server's shared token for /v1/* (None: open).
