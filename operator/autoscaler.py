@@ -111,6 +111,9 @@ class Observation:
     cold_start_s: float | None = None  # measured pod creation -> ready for this fleet; None: not measured yet
     recent_classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)  # as classes, its last quarter
     batch: tuple[BatchBacklog, ...] = ()  # the Batch API's unfinished batches (operator/batch_demand.py)
+    # the warm pool: replicas asleep with the model loaded (engine sleep mode), ready again in wake_s
+    warm_replicas: int = 0
+    wake_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -254,7 +257,9 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
     capacity = learned if learned is not None else policy.capacity
     planned = None
     cold_start = obs.cold_start_s if obs.cold_start_s is not None else policy.cold_start_s
-    start_after = cold_start + PERIOD_ALLOWANCE_S
+    # new replicas serve after a cold start, or after a wake while the warm pool has replicas asleep
+    first_start = obs.wake_s if obs.warm_replicas > 0 and obs.wake_s is not None else cold_start
+    start_after = min(cold_start, first_start) + PERIOD_ALLOWANCE_S
 
     def batch_extra(leftover_pods: float) -> tuple[float, str]:
         if not obs.batch or capacity is None:

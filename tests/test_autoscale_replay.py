@@ -168,3 +168,40 @@ def test_misses_no_policy_could_avoid_are_told_apart_and_the_oracle_plans_for_th
     assert oracle["meets_targets"] and oracle["feasible_attainment"]["critical"] >= 0.999
     for r in (oracle, kvfleet):
         assert r["feasible_attainment"]["critical"] >= r["slo_attainment"]["critical"]
+
+
+def test_a_warm_pool_serves_a_scale_up_after_the_wake_not_the_cold_start_and_is_refilled() -> None:
+    """A policy that asks for 4 pods at t=60: with a warm pool of 2, two of them serve 5 s later (they were asleep),
+    the other two after the cold start; new pods keep the pool at 2 all along, counted apart as asleep."""
+    from kvfleet.autoscale_replay.engine_model import EngineModel
+    from kvfleet.autoscale_replay.fleet import simulate
+
+    class Step:
+        def __init__(self) -> None:
+            self.seen: list[tuple[float, int, int, float | None]] = []
+
+        def desired(self, view) -> int:  # noqa: ANN001 - a FleetView
+            self.seen.append((view.time, len(view.pods), view.warm, view.wake_s))
+            return 2 if view.time < 60 else 4
+
+    engine = EngineModel(cold_start_s=30)
+    served: dict[int, list[tuple[float, int]]] = {}
+    for pool in (0, 2):
+        policy = Step()
+        run = simulate([], 150, policy, engine, initial_replicas=2, period_s=1, tail_s=0, warm_pool=pool, wake_s=5)
+        served[pool] = [(t, ready) for t, ready, _, _ in policy.seen]
+        assert run.asleep == [pool] * 150  # refilled as soon as woken: new pods load, then sleep
+        assert run.pods[59] == 2 + pool and run.pods[61] == 4 + pool
+        if pool:
+            assert {(warm, wake) for t, _, warm, wake in policy.seen if t < 60} == {(2, 5.0)}
+    assert dict(served[2])[64] == 2 and dict(served[2])[65] == 4 and dict(served[2])[90] == 4
+    assert dict(served[0])[65] == 2 and dict(served[0])[90] == 4  # the cold start, 30 s
+
+
+def test_the_replay_reports_the_warm_pool_and_checks_its_flags(tmp_path: Path, capsys) -> None:
+    code, report = replay(tmp_path, "--workload", "spike", "--policy", "kvfleet", "--warm-pool", "1",
+                          "--wake-seconds", "4")
+    assert code == 0 and report["kvfleet"]["settings"]["kvfleet_warm_pool"] == 1
+    assert report["kvfleet"]["asleep_replica_seconds"] >= report["kvfleet"]["settings"]["engine"]["cold_start_s"]
+    assert main(["bench", "autoscale", "--workload", "spike", "--warm-pool", "-1"]) == 2
+    assert "--warm-pool must be from 0 to 100" in capsys.readouterr().err

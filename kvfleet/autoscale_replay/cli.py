@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                         + ",".join(f"{k.value}={v:g}" for k, v in DEFAULT_ATTAINMENT.items()) + ")")
     p.add_argument("--max-replicas", type=int, default=Settings.max_replicas,
                    help="for every policy (default: %(default)s)")
+    p.add_argument("--warm-pool", type=int, default=Settings.warm_pool,
+                   help="kvfleet's warm pool (spec.autoscaling.warmPool.replicas): pods kept asleep with the model "
+                        "loaded, woken first on a scale-up; counted apart as asleep_replica_seconds (default: none)")
+    p.add_argument("--wake-seconds", type=float, default=Settings.wake_s,
+                   help="how long a pod of the warm pool takes to serve again (default: %(default)s)")
     m = p.add_argument_group("engine model (defaults: SmolLM2-135M on 2 CPU cores, from the engine benchmark)")
     m.add_argument("--cold-start", type=int, default=defaults.cold_start_s, help="seconds before a new pod is ready")
     m.add_argument("--capacity", type=float, default=defaults.capacity_rps,
@@ -86,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                          cold_start_s=args.cold_start, prefill_chunk_tokens=args.prefill_chunk_tokens)
     slo = Slo(parse_classes(args.slo, "--slo", DEFAULT_TTFT_S),
               parse_classes(args.attainment, "--attainment", DEFAULT_ATTAINMENT))
-    settings = Settings(engine, slo, args.max_replicas)
+    settings = Settings(engine, slo, args.max_replicas, args.warm_pool, args.wake_seconds)
     trace, source = load_trace(args)
     results = replay(trace, args.policy or list(POLICY_NAMES), settings)
     print(format_table(results, source))

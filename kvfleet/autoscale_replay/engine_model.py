@@ -97,6 +97,7 @@ class Pod:
 
     def __init__(self, engine: EngineModel, ready_at: float) -> None:
         self.engine, self.ready_at, self.draining = engine, ready_at, False
+        self.asleep = False  # in the warm pool: loaded, its KV cache released, serving nothing until woken
         self.running: list[tuple[float, int, Request]] = []  # heap by the decode progress at which each ends
         self.waiting: list[tuple[int, int, Request]] = []  # beyond max_num_seqs: heap by (engine priority, order)
         # (start, seconds, request) by start, a prompt in one piece or, split by a higher-priority prompt, several;

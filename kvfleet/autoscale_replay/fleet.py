@@ -2,10 +2,15 @@
 second under an autoscaling policy.
 
 Pods are ready after a cold start and drain when scaled down (draining and starting pods count in
-replica-seconds). The gateway routes to the least-loaded ready pod; while every pod is saturated (waiting >= 5 or
-KV >= 0.8) or none is ready it queues requests, ordered as its fleet queue orders them (class first, with aging),
-and sheds sheddable arrivals (429), as its admission verdict does; with caps, a class whose queue is full is shed
-too. TTFT = gateway wait + pod wait + prefill.
+replica-seconds). With a warm pool of N, N more pods are kept asleep (loaded, the KV cache released: engine sleep
+mode): a scale-up wakes them first, ready after wake_s, and new pods refill the pool; a drained pod goes to sleep
+while the pool is short. Asleep pods are counted apart (Run.asleep).
+
+The gateway routes to the least-loaded ready pod, and a critical request where it starts soonest (the prefill of
+the critical requests ahead of it there); while every pod is saturated (waiting >= 5 or KV >= 0.8) or none is
+ready it queues requests, ordered as its fleet queue orders them (class first, with aging), and sheds sheddable
+arrivals (429), as its admission verdict does; with caps, a class whose queue is full is shed too.
+TTFT = gateway wait + pod wait + prefill.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class FleetView:
     cold_start_s: float | None = None  # as the operator measures it
     recent_classes: Mapping[Priority, ClassWindow] = field(default_factory=dict)  # as classes, the last 15 s
     batch: tuple[BatchBacklog, ...] = ()  # the Batch API's unfinished jobs, as the gateways report them
+    warm: int = 0  # pods asleep in the warm pool, ready to wake
+    wake_s: float | None = None
 
 
 class Policy(Protocol):
@@ -64,6 +71,7 @@ class Run:
     in_pods: int  # running or waiting in a pod when the simulation stopped
     gateway_queued: int
     batch: dict | None = None  # the batch jobs' report (BatchRunner.report), when the trace has jobs
+    asleep: list[int] = field(default_factory=list)  # of `pods`, those asleep in the warm pool, at each second
 
     @property
     def completed(self) -> int:
@@ -75,12 +83,17 @@ class Fleet:
 
     def __init__(self, engine: EngineModel, replicas: int, saturation_waiting: int = 5,
                  saturation_kv: float = 0.8, queue_caps: dict[Priority, int] | None = None,
-                 critical_first: bool = True, batch: BatchRunner | None = None) -> None:
+                 critical_first: bool = True, batch: BatchRunner | None = None, warm_pool: int = 0,
+                 wake_s: float = 5.0) -> None:
         self.engine, self.saturation_waiting, self.saturation_kv = engine, saturation_waiting, saturation_kv
+        self.warm_pool, self.wake_s = warm_pool, wake_s
         self.batch = batch
         self.critical_first = critical_first
         self.queue_caps = queue_caps
         self.pods = [Pod(engine, 0.0) for _ in range(replicas)]
+        for _ in range(warm_pool):
+            self.pods.append(pod := Pod(engine, 0.0))
+            pod.asleep = True
         self.queue: list[tuple[float, int, Request]] = []  # heap by (the gateway's score, arrival order)
         self.queued_by_class = dict.fromkeys(Priority, 0)
         self.arrivals_per_second: list[int] = []
@@ -90,17 +103,25 @@ class Fleet:
 
     @property
     def replicas(self) -> int:
-        return sum(1 for p in self.pods if not p.draining)
+        """The serving replicas the autoscaler sets: not draining, not in the warm pool."""
+        return sum(1 for p in self.pods if not p.draining and not p.asleep)
+
+    @property
+    def asleep(self) -> int:
+        """The warm pool as it stands: asleep, or starting to be (a new pod goes to sleep once loaded)."""
+        return sum(1 for p in self.pods if p.asleep)
 
     def ready_pods(self, now: float) -> list[Pod]:
-        return [p for p in self.pods if not p.draining and p.ready_at <= now]
+        return [p for p in self.pods if not p.draining and not p.asleep and p.ready_at <= now]
 
     def view(self, now: float) -> FleetView:
         recent = self.arrivals_per_second[-60:]
+        warm = sum(1 for p in self.pods if p.asleep and p.ready_at <= now)
         return FleetView(now, self.replicas, tuple(p.metrics(now) for p in self.ready_pods(now)), len(self.queue),
                          sum(recent) / max(1, len(recent)), tuple(self.concurrency[-60:]), self.class_windows(),
                          float(self.engine.cold_start_s), self.class_windows(RECENT_WINDOW_S),
-                         self.batch.backlog(now) if self.batch else ())
+                         self.batch.backlog(now) if self.batch else (), warm,
+                         float(self.wake_s) if self.warm_pool else None)
 
     def class_windows(self, window_s: float = DEMAND_WINDOW_S) -> dict[Priority, ClassWindow]:
         recent = self.class_seconds[-int(window_s):]
@@ -109,10 +130,20 @@ class Fleet:
                 for p, (a, pt, ot, shed) in sums.items()}
 
     def scale_to(self, desired: int, now: float) -> None:
-        """New pods start cold; removal takes pods not yet ready first, then the least-loaded, which drain."""
-        live = [p for p in self.pods if not p.draining]
-        for _ in range(desired - len(live)):
+        """More pods: the warm pool's wake first (loaded ones after wake_s, those still loading when loaded), then
+        new pods start cold; the pool is refilled with new pods. Removal takes pods not yet ready first, then the
+        least-loaded, which drain."""
+        live = [p for p in self.pods if not p.draining and not p.asleep]
+        needed = desired - len(live)
+        for pod in sorted((p for p in self.pods if p.asleep), key=lambda p: p.ready_at)[:max(0, needed)]:
+            pod.asleep = False
+            pod.ready_at = max(pod.ready_at, now + self.wake_s) if pod.ready_at <= now else pod.ready_at
+            needed -= 1
+        for _ in range(needed):
             self.pods.append(Pod(self.engine, now + self.engine.cold_start_s))
+        for _ in range(self.warm_pool - self.asleep):
+            self.pods.append(pod := Pod(self.engine, now + self.engine.cold_start_s))
+            pod.asleep = True
         if desired < len(live):
             for pod in sorted(live, key=lambda p: (p.ready_at <= now, p.load, -p.ready_at))[:len(live) - desired]:
                 if pod.ready_at > now:
@@ -162,6 +193,9 @@ class Fleet:
         for pod in self.pods:
             if pod.ready_at <= now:
                 pod.advance(now, now + 1, by_pod.get(id(pod), []))
+        for pod in self.pods:
+            if pod.draining and pod.load == 0 and self.asleep < self.warm_pool:
+                pod.draining, pod.asleep = False, True  # drained: it sleeps in the pool rather than going
         self.pods = [p for p in self.pods if not (p.draining and p.load == 0)]
         self.concurrency.append(sum(p.load for p in self.pods) + len(self.queue))
 
@@ -213,19 +247,21 @@ class Fleet:
 
 def simulate(requests: list[Request], duration_s: int, policy: Policy, engine: EngineModel,
              initial_replicas: int = 2, period_s: int = 15, tail_s: int = 1800,
-             queue_caps: dict[Priority, int] | None = None, jobs: tuple[BatchJob, ...] = ()) -> Run:
+             queue_caps: dict[Priority, int] | None = None, jobs: tuple[BatchJob, ...] = (), warm_pool: int = 0,
+             wake_s: float = 5.0) -> Run:
     """Run the requests (sorted by arrival) and the batch jobs, deciding every period_s; after the trace, run on
     with no arrivals (for at most tail_s) until every request has its first token. Replicas are counted over the
     trace only."""
     runner = BatchRunner(jobs, engine) if jobs else None
-    fleet = Fleet(engine, initial_replicas, queue_caps=queue_caps, batch=runner)
-    replicas, pods, next_arrival, now = [], [], 0, 0
+    fleet = Fleet(engine, initial_replicas, queue_caps=queue_caps, batch=runner, warm_pool=warm_pool, wake_s=wake_s)
+    replicas, pods, asleep, next_arrival, now = [], [], [], 0, 0
     while now < duration_s or (now < duration_s + tail_s and _unstarted(fleet)):
         if now % period_s == 0:
             fleet.scale_to(policy.desired(fleet.view(now)), now)
         if now < duration_s:
             replicas.append(fleet.replicas)
             pods.append(len(fleet.pods))
+            asleep.append(fleet.asleep)
         first = next_arrival
         while next_arrival < len(requests) and requests[next_arrival].arrival < now + 1:
             next_arrival += 1
@@ -234,7 +270,7 @@ def simulate(requests: list[Request], duration_s: int, policy: Policy, engine: E
     if runner is not None:
         runner.settle(now)
     return Run(requests, replicas, pods, sum(p.load for p in fleet.pods), len(fleet.queue),
-               runner.report() if runner else None)
+               runner.report() if runner else None, asleep)
 
 
 def _unstarted(fleet: Fleet) -> bool:

@@ -20,7 +20,7 @@ class KvfleetPolicy:
 
     def desired(self, view: FleetView) -> int:
         obs = Observation(view.time, view.replicas, view.pods, view.gateway_queued, view.classes, view.cold_start_s,
-                          view.recent_classes, view.batch)
+                          view.recent_classes, view.batch, view.warm, view.wake_s)
         return recommend(obs, self.policy, self.state).desired
 
 

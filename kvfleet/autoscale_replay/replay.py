@@ -29,16 +29,25 @@ class Settings:
     engine: EngineModel = field(default_factory=EngineModel)
     slo: Slo = field(default_factory=Slo)
     max_replicas: int = 64
+    # kvfleet's warm pool (spec.autoscaling.warmPool): pods kept asleep, serving again wake_s after a scale-up; the
+    # other policies have none (KEDA's and HPA's recipes know no sleeping pods; the oracle plans cold pods)
+    warm_pool: int = 0
+    wake_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_replicas <= 1000:
             raise ValueError(f"--max-replicas must be from 1 to 1000, not {self.max_replicas}")
+        if not 0 <= self.warm_pool <= 100:
+            raise ValueError(f"--warm-pool must be from 0 to 100, not {self.warm_pool}")
+        if not 0 <= self.wake_s <= 600:
+            raise ValueError(f"--wake-seconds must be from 0 to 600, not {self.wake_s}")
 
     def public(self) -> dict:
         return {"engine": asdict(self.engine), "max_replicas": self.max_replicas,
                 "slo_ttft_s": {p.value: v for p, v in self.slo.ttft_s.items()},
                 "attainment_target": {p.value: v for p, v in self.slo.attainment.items()},
-                "decision_period_s": PERIOD_S, "initial_replicas": INITIAL_REPLICAS}
+                "decision_period_s": PERIOD_S, "initial_replicas": INITIAL_REPLICAS,
+                "kvfleet_warm_pool": self.warm_pool, "wake_s": self.wake_s}
 
 
 def reactive(name: str, settings: Settings) -> tuple[Callable[[], Policy], int]:
@@ -67,9 +76,11 @@ def run_policy(trace: Trace, name: str, settings: Settings) -> dict:
     started = time.monotonic()
     engine = settings.engine
 
+    warm = settings.warm_pool if name == "kvfleet" else 0
+
     def sim(policy: Policy, period_s: int) -> Run:
         return simulate(requests_of(trace, engine), trace.duration_s, policy, engine, INITIAL_REPLICAS, period_s,
-                        TAIL_S, DEFAULT_CAPS, trace.jobs)
+                        TAIL_S, DEFAULT_CAPS, trace.jobs, warm, settings.wake_s)
 
     extra: dict = {}
     period = 1

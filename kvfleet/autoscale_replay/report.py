@@ -28,6 +28,9 @@ def format_table(results: dict[str, dict], source: str) -> str:
                 + ", ".join(f"{c} {settings['slo_ttft_s'][c]:g} s (target {settings['attainment_target'][c]:.1%})"
                             for c in classes)
                 + f"; cold start {settings['engine']['cold_start_s']} s; shed requests miss")
+    if settings.get("kvfleet_warm_pool") and "kvfleet" in results:
+        rows.append(f"kvfleet kept a warm pool of {settings['kvfleet_warm_pool']} (awake in {settings['wake_s']:g} s): "
+                    f"{results['kvfleet']['asleep_replica_seconds']:,} of its replica-s were asleep")
     if "oracle" in results and not results["oracle"].get("meets_targets", True):
         rows.append("the oracle found no schedule meeting the targets within --max-replicas")
     first = next(iter(results.values()))

@@ -73,7 +73,8 @@ def feasible(run: Run, slo: Slo) -> tuple[dict[Priority, float | None], dict[Pri
 
 def score(run: Run, slo: Slo) -> dict:
     """The documented shape: slo_attainment and shed per class, replica_seconds (every pod that costs, each
-    second of the trace); beside them the requests per class."""
+    second of the trace, asleep ones included) and, of those, asleep_replica_seconds (the warm pool's); beside them
+    the requests per class."""
     shed = dict.fromkeys(Priority, 0)
     requests = dict.fromkeys(Priority, 0)
     for r in run.requests:
@@ -83,5 +84,5 @@ def score(run: Run, slo: Slo) -> dict:
     return {"slo_attainment": {p.value: a for p, a in attainment(run, slo).items()},
             "feasible": {p.value: v for p, v in share.items()},
             "feasible_attainment": {p.value: v for p, v in among.items()},
-            "replica_seconds": sum(run.pods), "shed": {p.value: n for p, n in shed.items()},
+            "replica_seconds": sum(run.pods), "asleep_replica_seconds": sum(run.asleep), "shed": {p.value: n for p, n in shed.items()},
             "requests": {p.value: n for p, n in requests.items()}} | ({"batch": run.batch} if run.batch else {})
