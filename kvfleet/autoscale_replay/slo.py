@@ -84,5 +84,6 @@ def score(run: Run, slo: Slo) -> dict:
     return {"slo_attainment": {p.value: a for p, a in attainment(run, slo).items()},
             "feasible": {p.value: v for p, v in share.items()},
             "feasible_attainment": {p.value: v for p, v in among.items()},
-            "replica_seconds": sum(run.pods), "asleep_replica_seconds": sum(run.asleep), "shed": {p.value: n for p, n in shed.items()},
+            "replica_seconds": sum(run.pods), "asleep_replica_seconds": sum(run.asleep),
+            "shed": {p.value: n for p, n in shed.items()},
             "requests": {p.value: n for p, n in requests.items()}} | ({"batch": run.batch} if run.batch else {})
