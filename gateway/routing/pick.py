@@ -192,8 +192,9 @@ def soonest_critical_start(room: Sequence[EndpointSnapshot], request: RoutingCon
     classes for them), so it waits only for the critical prompts this gateway sent there that have not started,
     then computes its own tokens not cached there; each over the engine's prefill rate (the fleet's median where
     it has not measured its own; tokens alone where none has). Ties (token counts unknown) go to the engine with
-    fewer critical requests pending, then fewer outstanding requests, then at random. Counting prompts rather than their length sent a short critical prompt behind a long
-    one while another engine was free of critical work (the replay's held-out bursts: kvfleet/autoscale_replay)."""
+    fewer critical requests pending, then fewer outstanding requests, then at random. Counting prompts rather than
+    their length sent a short critical prompt behind a long one while another engine was free of critical work (the
+    replay's held-out bursts: kvfleet/autoscale_replay)."""
     fleet_rate = typical_rate(room) or 1.0
 
     def start_s(e: EndpointSnapshot) -> float:
