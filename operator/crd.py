@@ -27,6 +27,7 @@ from kvfleet.operator.fleet_spec import (
     VERSION,
 )
 from kvfleet.operator.lora_spec import RANK_RULE, STORE_RULE, lora_schemas
+from kvfleet.operator.warm_pool_spec import schema as warm_pool_schema
 
 
 def _open_bound(rule: str, message: str) -> dict:
@@ -136,7 +137,8 @@ SPEC_SCHEMA = {
         "autoscaling": {
             "type": "object",
             "properties": {**{f.name: f.schema() for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)},
-                           "sloClasses": slo_classes_schema(), "capacity": capacity_schema()},
+                           "sloClasses": slo_classes_schema(), "capacity": capacity_schema(),
+                           "warmPool": warm_pool_schema()},
             "x-kubernetes-validations": [{"rule": "!has(self.minReplicas) || !has(self.maxReplicas) || "
                                                   "self.minReplicas <= self.maxReplicas",
                                           "message": "minReplicas must not exceed maxReplicas"}],
@@ -152,6 +154,9 @@ STATUS_SCHEMA = {
         "kvCacheUsage": {"type": "number"}, "kvCachePercent": {"type": "integer"},
         "requestsRunning": {"type": "integer"}, "requestsWaiting": {"type": "integer"},
         "gatewayQueued": {"type": "integer"}, "lastScaleTime": {"type": "string", "format": "date-time"},
+        "warmPool": {"type": "object", "description": "the warm pool after the last period: its size, the pods "
+                     "asleep, and how many the period woke and put to sleep",
+                     "properties": {k: {"type": "integer"} for k in ("replicas", "asleep", "woken", "slept")}},
         "selector": {"type": "string"},
         "conditions": {"type": "array", "items": {"type": "object", "required": ["type", "status"], "properties": {
             "type": {"type": "string"}, "status": {"type": "string"}, "reason": {"type": "string"},

@@ -33,6 +33,7 @@ from kvfleet.operator.fleet_fields import (
 )
 from kvfleet.operator.lora_spec import FleetLora, InvalidLoraSpec, parse_lora
 from kvfleet.operator.planner import Capacity
+from kvfleet.operator.warm_pool_spec import InvalidWarmPool, WarmPool, parse_warm_pool
 
 __all__ = ["DEFAULT_IMAGE", "ENGINE_API_KEY_ENV", "ENGINE_PORT", "FleetEngineSettings", "FleetSpec", "InvalidSpec",
            "parse_fleet"]
@@ -83,6 +84,12 @@ class FleetSpec:
     api_key_secret: str | None = None
     api_key_secret_key: str = ENGINE_API_KEY_SECRET_KEY
     lora: FleetLora | None = None  # spec.lora and spec.loraAdapters (operator/lora_spec.py)
+    warm_pool: WarmPool | None = None  # spec.autoscaling.warmPool (operator/warm_pool.py)
+
+    @property
+    def pods(self) -> int:
+        """The Deployment's replicas: the serving ones and the warm pool's."""
+        return self.replicas + (self.warm_pool.replicas if self.warm_pool else 0)
 
     @property
     def gpu(self) -> bool:
@@ -275,12 +282,13 @@ def parse_fleet(name: str, namespace: str, spec: dict[str, Any], default_api_key
         settings = _vllm_block_size(settings, "blockSize" in _section(spec, "engine"), _has_gpu(resources))
     try:
         lora = parse_lora(spec, runtime, (model.strip(),))
-    except InvalidLoraSpec as err:
+        warm_pool = parse_warm_pool(auto, runtime)
+    except (InvalidLoraSpec, InvalidWarmPool) as err:
         raise InvalidSpec(str(err)) from None
     return FleetSpec(
         name=name, namespace=namespace, model=model.strip(), image=spec.get("image") or RUNTIMES[runtime],
         runtime=runtime,
         image_pull_policy=spec.get("imagePullPolicy") or "IfNotPresent", engine=settings, resources=resources,
         autoscaling_enabled=_read(auto, AUTOSCALING_ENABLED, "spec.autoscaling"), autoscaling=policy,
-        api_key_secret=api_key_secret, api_key_secret_key=api_key_secret_key, lora=lora,
+        api_key_secret=api_key_secret, api_key_secret_key=api_key_secret_key, lora=lora, warm_pool=warm_pool,
         **{f.attr: _read(spec, f, "spec") for f in SPEC_FIELDS})

@@ -34,6 +34,7 @@ from kvfleet.operator.observe import batch_backlog, observe_fleet
 from kvfleet.operator.planner import demand_windows
 from kvfleet.operator.settings import OperatorConfig
 from kvfleet.operator.slo_status import slo_attainment_status
+from kvfleet.operator.warm_pool import PodState, idle_urls, pool_states, settle_warm_pool
 
 log = logging.getLogger("kvfleet.operator")
 HISTORY = 5
@@ -70,7 +71,7 @@ def _apply(kind: str, desired: dict, read: Callable, create: Callable, patch: Ca
 
 
 def reconcile_children(fleet: FleetSpec, owner: kopf.Body | dict) -> list[str]:
-    deployment = build_deployment(fleet, fleet.replicas)
+    deployment = build_deployment(fleet, fleet.pods)
     service = build_service(fleet)
     for child in (deployment, service):
         kopf.adopt(child, owner=owner)
@@ -164,7 +165,14 @@ class FleetHandlers:
         patch.status["sloAttainment"] = slo_attainment_status(fleet.autoscaling.slo, counted, fleet.slo_window_s)
         metrics.KV_CACHE_USAGE.labels(namespace, name).set(counts["kvCacheUsage"])
         metrics.GATEWAY_QUEUED.labels(namespace, name).set(queued)
+        warm: list[PodState] = []
+        if fleet.warm_pool is not None:
+            warm = await pool_states(pod_objects, idle_urls(pod_objects, pods), self.config.scrape_timeout_s)
+        elif status.get("warmPool") is not None:
+            patch.status["warmPool"] = None
         if not fleet.autoscaling_enabled:
+            if fleet.warm_pool is not None:
+                patch.status.update(await settle_warm_pool(fleet, fleet.warm_pool, warm, fleet.replicas))
             return
         state = self.autoscaler_state(f"{namespace}/{name}", status)
         window_s, recent_s = demand_windows(fleet.autoscaling.stable_window_s)
@@ -172,7 +180,8 @@ class FleetHandlers:
         recent = await read_class_windows(self.config.redis_url, name, recent_s, now)
         batch = await batch_backlog(self.config.redis_url, name, now)
         observation = Observation(now, fleet.replicas, tuple(pods), queued, classes=classes, cold_start_s=cold_start_s,
-                                  recent_classes=recent, batch=batch)
+                                  recent_classes=recent, batch=batch, warm_replicas=sum(s.asleep for s in warm),
+                                  wake_s=fleet.warm_pool.wake_s if fleet.warm_pool else None)
         decision = recommend(observation, fleet.autoscaling, state)
         patch.status["autoscaler"] = {**state.as_status(), "lastDecision": {
             "time": now_iso(), "desired": decision.desired, "reason": decision.reason,
@@ -181,6 +190,8 @@ class FleetHandlers:
         if decision.desired != fleet.replicas:
             await asyncio.to_thread(set_replicas, namespace, name, decision.desired)
             record_scaling(fleet, decision, queued, body, status, patch)
+        if fleet.warm_pool is not None:  # asleep pods wake for a scale-up now; new ones join the pool when loaded
+            patch.status.update(await settle_warm_pool(fleet, fleet.warm_pool, warm, decision.desired))
 
     def autoscaler_state(self, key: str, status: kopf.Status) -> AutoscalerState:
         """The fleet's autoscaler state from its status, unless this process holds a newer one."""

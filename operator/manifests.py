@@ -59,7 +59,8 @@ def build_engine_container(fleet: FleetSpec) -> dict:
         "args": ["engine", "--model", fleet.model, "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
                  *fleet.engine.to_args(fleet.lora.engine_args(fleet.runtime) if fleet.lora else ()),
                  "--served-model-name", fleet.model,
-                 "--drain-timeout", str(fleet.drain_seconds)],
+                 "--drain-timeout", str(fleet.drain_seconds),
+                 *(["--enable-sleep-mode"] if fleet.warm_pool else [])],
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": resources,
         # The model loads before /ready turns true; a startup probe gives it minutes without a liveness kill.

@@ -19,13 +19,18 @@ def pod_endpoint(pod: dict[str, Any] | V1Pod, port_name: str = ENGINE_PORT_NAME)
     """The engine URL of a pod that is Ready, has an IP and is not being deleted; None for any other pod."""
     if not isinstance(pod, dict):
         pod = pod.to_dict(serialize=True)  # the API's camelCase names, like a raw watch event
-    metadata = pod.get("metadata") or {}
-    status = pod.get("status") or {}
-    ip = status.get("podIP")
-    if metadata.get("deletionTimestamp") or not ip:
-        return None
-    conditions = status.get("conditions") or []
+    conditions = (pod.get("status") or {}).get("conditions") or []
     if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
+        return None
+    return running_pod_url(pod, port_name)
+
+
+def running_pod_url(pod: dict[str, Any], port_name: str = ENGINE_PORT_NAME) -> str | None:
+    """The engine URL of a pod that has an IP and is not being deleted, Ready or not (an engine asleep in a warm
+    pool is not Ready); None for any other pod."""
+    metadata = pod.get("metadata") or {}
+    ip = (pod.get("status") or {}).get("podIP")
+    if metadata.get("deletionTimestamp") or not ip:
         return None
     host = f"[{ip}]" if ":" in ip else ip  # IPv6
     return f"http://{host}:{_container_port(pod, port_name)}"
