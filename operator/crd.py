@@ -26,6 +26,7 @@ from kvfleet.operator.fleet_spec import (
     PLURAL,
     VERSION,
 )
+from kvfleet.operator.forecast import STATUS_SCHEMA as FORECAST_SCHEMA
 from kvfleet.operator.lora_spec import RANK_RULE, STORE_RULE, lora_schemas
 from kvfleet.operator.warm_pool_spec import schema as warm_pool_schema
 
@@ -181,7 +182,10 @@ STATUS_SCHEMA = {
                         "capacity": {"type": "object", "properties": {
                             "prefillTokensPerSecond": {"type": "number"},
                             "decodeTokensPerSecond": {"type": "number"}}},
-                        "demand": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}}},
+                        "demand": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+                        "forecast": {"type": "object", "description": "each class's forecaster (level, trend) and "
+                                     "its error so far (operator/forecast.py)",
+                                     "properties": {p.value: FORECAST_SCHEMA for p in Priority}}}},
                 "lastDecision": {
                     "type": "object", "description": "the latest period's decision, written every period",
                     "properties": {"time": {"type": "string", "format": "date-time"}, "desired": {"type": "integer"},

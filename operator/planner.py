@@ -9,8 +9,9 @@ measured of themselves. Pure; autoscaler.recommend() calls it and keeps its memo
   default, as Knative's), sampled every decision (and over its last quarter where that is higher, for the classes
   with a target: as Knative's panic window, a burst's onset counts at once);
   the work waiting in the gateway queue and the engines' queues is added as what must drain within the horizon.
-- Horizon: a pod ordered now serves after the measured cold start, so the plan covers cold start + one period:
-  the level now plus the recent rising trend over that horizon.
+- Horizon: a pod ordered now serves after the measured cold start (or the warm pool's wake), so the plan covers
+  that + one period: a class with a target at the larger of its level now and its forecast over the horizon (Holt's
+  smoothing per class, operator/forecast.py, whose error each decision reports).
 - Headroom only where it is needed: the classes that cannot wait (an attainment target) get a standing margin
   sized from the recent spread of their demand (mean + z·σ over the memory, z from the strictest target), so a
   burst that outruns the cold start is absorbed; best-effort classes are planned at their level, without margin,
@@ -29,11 +30,11 @@ from statistics import NormalDist
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.slo import ClassWindow, SloClass
 from kvfleet.fleet.slo_stats import SLOT_S
+from kvfleet.operator.forecast import ClassForecast, forecasts_status
 
 RECENT_FRACTION = 0.25  # the short window (Observation.recent_classes) as a part of the demand window
 CAPACITY_SMOOTHING = 0.2  # weight of a new capacity reading in the moving average
 MEMORY_S = 1200.0  # how much demand history sizes the standing margin (bursts recur on this scale)
-TREND_S = 300.0  # the span the rising trend is fitted over
 MAX_Z = 3.5  # the margin's z for the strictest target, capped (99.98 %)
 UTILIZATION = 0.9  # work per pod the plan aims at (replayed: 0.85 cost 4-8 % more for 0-3 points of standard)
 # A class with a target this strict never rests on one pod while it has traffic (N+1: one pod's restart or a burst in
@@ -72,6 +73,7 @@ class PlannerMemory:
     capacity: Capacity | None = None
     # (time, work/s per class in the Priority order) at each decision, over MEMORY_S
     demand: list[tuple[float, tuple[float, ...]]] = field(default_factory=list)
+    forecasts: dict[Priority, ClassForecast] = field(default_factory=dict)  # the classes with a target
 
     def learn_capacity(self, reading: Capacity | None) -> Capacity | None:
         if reading is not None:
@@ -85,7 +87,8 @@ class PlannerMemory:
 
     def as_status(self) -> dict:
         # Unrounded (JSON keeps a float exactly): a restarted operator must decide exactly as this one would.
-        out: dict = {"demand": [[t, *ws] for t, ws in self.demand]}
+        out: dict = {"demand": [[t, *ws] for t, ws in self.demand],
+                     "forecast": {p.value: f.as_status() for p, f in self.forecasts.items()}}
         if self.capacity is not None:
             out["capacity"] = {"prefillTokensPerSecond": self.capacity.prefill_tokens_per_s,
                                "decodeTokensPerSecond": self.capacity.decode_tokens_per_s}
@@ -104,9 +107,12 @@ class PlannerMemory:
                       saved.get("demand") or []]
             if any(len(ws) != len(Priority) for _, ws in demand):
                 demand = []
+            saved_forecasts = saved.get("forecast") or {}
+            forecasts = {p: ClassForecast.from_status(saved_forecasts[p.value]) for p in Priority
+                         if isinstance(saved_forecasts, Mapping) and p.value in saved_forecasts}
         except (TypeError, ValueError, KeyError, AttributeError, IndexError):
             return cls()
-        return cls(capacity, demand)
+        return cls(capacity, demand, forecasts)
 
 
 @dataclass(frozen=True)
@@ -134,17 +140,6 @@ def margin_z(objective: SloClass) -> float:
     return min(MAX_Z, NormalDist().inv_cdf(objective.attainment))
 
 
-def _trend(samples: list[tuple[float, float]]) -> float:
-    """Least-squares slope of the samples (work/s per second); 0 with fewer than three."""
-    if len(samples) < 3:
-        return 0.0
-    n = len(samples)
-    mt = sum(t for t, _ in samples) / n
-    mw = sum(w for _, w in samples) / n
-    var = sum((t - mt) ** 2 for t, _ in samples)
-    return 0.0 if var == 0 else sum((t - mt) * (w - mw) for t, w in samples) / var
-
-
 def demand_windows(stable_window_s: float) -> tuple[float, float]:
     """The seconds of per-class counts a plan reads (Observation.classes: the fleet's stable window) and of their
     short window (Observation.recent_classes), never shorter than one of the counts' slots."""
@@ -167,13 +162,15 @@ def plan(now: float, classes: Mapping[Priority, ClassWindow], capacity: Capacity
     needed = 0.0  # pods, cumulative over the classes in priority order: a class is served after those above it
     parts = []
     level_sum = 0.0
+    forecast: dict[str, float] = {}
     for k, p in enumerate(order):
         history = [ws[k] for _, ws in memory.demand]
         level = now_work[k]
-        rising = max(0.0, _trend([(t, ws[k]) for t, ws in memory.demand if t > now - TREND_S]))
         upper = level
-        if not slo[p].best_effort:  # a class with a target is planned over the horizon on its rising trend
-            upper = level + rising * horizon_s
+        if not slo[p].best_effort:  # a class with a target is planned at its forecast over the horizon
+            ahead = memory.forecasts.setdefault(p, ClassForecast()).step(now, level, horizon_s)
+            forecast[p.value] = ahead
+            upper = max(level, ahead)
         if k == 0:  # and the first class, which cannot wait, keeps a standing margin for its own bursts
             mean = sum(history) / len(history)
             spread = math.sqrt(sum((h - mean) ** 2 for h in history) / len(history))
@@ -193,5 +190,7 @@ def plan(now: float, classes: Mapping[Priority, ClassWindow], capacity: Capacity
     reason = (f"plan {needed:.2f} pods: work in pods now->over {horizon_s:.0f} s " + ", ".join(parts)
               + (f"; {queued} waiting, {drain:.2f} pods to drain" if queued else ""))
     inputs = {"workPods": {p.value: round(w, 3) for p, w in zip(order, work, strict=True)},
-              "waiting": queued, "horizonSeconds": round(horizon_s, 1), "plannedPods": round(needed, 2)}
+              "waiting": queued, "horizonSeconds": round(horizon_s, 1), "plannedPods": round(needed, 2),
+              "forecast": forecasts_status({p.value: memory.forecasts[p] for p in order if p in memory.forecasts},
+                                           forecast, horizon_s)}
     return Plan(needed, reason, inputs)

@@ -179,8 +179,10 @@ def test_the_planners_memory_is_kept_by_the_api_server() -> None:
     schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
     jsonschema.validate({"autoscaler": saved}, schema)
     declared = schema["properties"]["autoscaler"]["properties"]["planner"]["properties"]
-    assert set(saved["planner"]) == set(declared) == {"capacity", "demand"}
+    assert set(saved["planner"]) == set(declared) == {"capacity", "demand", "forecast"}
     assert set(saved["planner"]["capacity"]) == set(declared["capacity"]["properties"])
+    for forecast in saved["planner"]["forecast"].values():
+        assert set(forecast) == set(declared["forecast"]["properties"]["critical"]["properties"])
 
 
 def test_a_bursts_onset_counts_at_once_through_the_short_window() -> None:
