@@ -205,3 +205,23 @@ def test_the_replay_reports_the_warm_pool_and_checks_its_flags(tmp_path: Path, c
     assert report["kvfleet"]["asleep_replica_seconds"] >= report["kvfleet"]["settings"]["engine"]["cold_start_s"]
     assert main(["bench", "autoscale", "--workload", "spike", "--warm-pool", "-1"]) == 2
     assert "--warm-pool must be from 0 to 100" in capsys.readouterr().err
+
+
+def test_the_azure_conv_workload_follows_the_production_traces_published_statistics() -> None:
+    """Its arrivals per minute keep the trace's swing (its quietest full minute to its busiest: 191 to 507), thinned
+    to this fleet's scale; prompts keep its median (1,020 tokens x 0.12)."""
+    import statistics
+
+    from kvfleet.autoscale_replay.held_out import AZURE_RATE_SCALE, azure_conv, azure_conv_statistics
+
+    stats = azure_conv_statistics()
+    assert stats["rows"] == 19366 and len(stats["arrivals_per_step"]) == 350  # the shipped file is whole
+    trace = azure_conv(101)
+    per_minute = [0] * (trace.duration_s // 60)
+    for r in trace.rows:
+        if r.t < len(per_minute) * 60:
+            per_minute[int(r.t // 60)] += 1
+    assert 2.0 < max(per_minute) / min(per_minute) < 3.6
+    assert abs(len(trace.rows) - stats["rows"] * AZURE_RATE_SCALE) < 0.05 * stats["rows"] * AZURE_RATE_SCALE
+    assert 110 <= statistics.median(r.prompt_tokens for r in trace.rows) <= 135
+    assert azure_conv(101) == trace and azure_conv(202) != trace

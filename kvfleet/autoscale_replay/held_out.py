@@ -4,13 +4,19 @@ lengths of their own. Each is seeded; the seeds the policy is developed on are n
 
 Every trace: 10 % critical, 60 % standard, 30 % sheddable; prompts log-normal (median 120 tokens, a long tail cut at
 2,048: some critical prompts then take longer to prefill than the 1 s objective, and no policy can serve those in
-time, which the report tells apart), outputs exponential with mean 64 capped at 256.
+time, which the report tells apart), outputs exponential with mean 64 capped at 256. But azure-conv: an hour shaped
+by a public production trace's published statistics (azure_conv_2023.json: Azure's LLM inference trace of 2023,
+conversation service), its arrivals per 10 s thinned to this fleet's scale and its token percentiles scaled down.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
 
 from kvfleet.autoscale_replay.engine_model import MEAN_OUTPUT_TOKENS
 from kvfleet.autoscale_replay.trace import Row, Trace
@@ -86,20 +92,58 @@ def long_bursts(seed: int) -> Trace:
     return bursts(seed, height=3.0, length_s=300, count=2)
 
 
+AZURE_CONV = Path(__file__).with_name("azure_conv_2023.json")
+AZURE_RATE_SCALE = 0.3  # its 5.5 req/s on a large fleet -> 1.7 req/s here, as the other held-out traces' scale
+AZURE_PROMPT_SCALE = 0.12  # its median context of 1,020 tokens -> 122 (this CPU prefills 480 tokens/s)
+AZURE_OUTPUT_SCALE = 0.3  # its mean output of 211 tokens -> 63
+
+
+@cache
+def azure_conv_statistics() -> dict:
+    return json.loads(AZURE_CONV.read_text())
+
+
+def azure_conv(seed: int) -> Trace:
+    """Held out: an hour shaped by Azure's 2023 conversation trace (its arrivals per 10 s, 2.7x from its quietest
+    minute to its busiest; its prompt and output percentiles), thinned to ~1.7 req/s and tokens scaled down."""
+    stats = azure_conv_statistics()
+    step = stats["step_s"]
+    rates = [n / step * AZURE_RATE_SCALE for n in stats["arrivals_per_step"] for _ in range(step)]
+    rng = random.Random(f"azure-conv-{seed}")
+    prompts, outputs = stats["context_tokens_percentiles"], stats["generated_tokens_percentiles"]
+
+    def tokens() -> tuple[int, int]:
+        prompt = min(PROMPT_MAX, max(1, round(percentile(prompts, rng.random()) * AZURE_PROMPT_SCALE)))
+        return prompt, max(1, round(percentile(outputs, rng.random()) * AZURE_OUTPUT_SCALE))
+    return rows(rates, seed, tokens)
+
+
+def percentile(points: list[int], u: float) -> float:
+    """The value at quantile u of a distribution given by its 101 percentiles (linear between them)."""
+    x = u * (len(points) - 1)
+    k = min(int(x), len(points) - 2)
+    return points[k] + (points[k + 1] - points[k]) * (x - k)
+
+
 HELD_OUT = {"bursts-6x90": bursts, "bursts-4x30": short_bursts, "bursts-3x300": long_bursts,
-            "flash-10x": flash_crowd, "daily-noisy": daily}
+            "flash-10x": flash_crowd, "daily-noisy": daily, "azure-conv": azure_conv}
 
 
-def rows(rates: list[float], seed: int) -> Trace:
-    """Poisson arrivals at each second's rate, classes by MIX, log-normal prompts, exponential outputs."""
+def rows(rates: list[float], seed: int, tokens: Callable[[], tuple[int, int]] | None = None) -> Trace:
+    """Poisson arrivals at each second's rate, classes by MIX; log-normal prompts and exponential outputs, unless
+    `tokens` draws each request's (prompt, output) tokens."""
     rng = random.Random(f"arrivals-{seed}")
     names, weights = list(MIX), list(MIX.values())
     out = []
     for second, rate in enumerate(rates):
         at = second + (rng.expovariate(rate) if rate > 0 else 1.0)
         while at < second + 1:
-            prompt = min(PROMPT_MAX, max(1, round(rng.lognormvariate(math.log(PROMPT_MEDIAN), PROMPT_SIGMA))))
-            work = min(rng.expovariate(1.0), _EXP_CAP) / (1 - math.exp(-_EXP_CAP))
-            out.append(Row(at, prompt, max(1, round(work * MEAN_OUTPUT_TOKENS)), rng.choices(names, weights)[0]))
+            if tokens is not None:
+                prompt, output = tokens()
+            else:
+                prompt = min(PROMPT_MAX, max(1, round(rng.lognormvariate(math.log(PROMPT_MEDIAN), PROMPT_SIGMA))))
+                work = min(rng.expovariate(1.0), _EXP_CAP) / (1 - math.exp(-_EXP_CAP))
+                output = max(1, round(work * MEAN_OUTPUT_TOKENS))
+            out.append(Row(at, prompt, output, rng.choices(names, weights)[0]))
             at += rng.expovariate(rate)
     return Trace.of(out)
