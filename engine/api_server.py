@@ -130,7 +130,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
 
     @app.get("/ready", responses={503: {"description": "loading or draining"}})
     async def ready() -> JSONResponse:
-        if state.engine is None or state.draining or state.engine.sleeping:
+        if state.engine is None or state.draining or state.engine.sleeping or state.engine.sleep_pending:
             reason = "draining" if state.draining else "loading" if state.engine is None else "sleeping"
             return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ready"})

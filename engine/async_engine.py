@@ -54,6 +54,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
+        self._sleep_when_idle = False  # sleep mode, drained: the engine sleeps once no request runs
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
         self._thread.start()
 
@@ -87,19 +88,34 @@ class AsyncEngine:
     def sleeping(self) -> bool:
         return self.engine.sleeping
 
-    async def sleep(self) -> None:
-        """Release the KV cache (LLMEngine.sleep, on the engine thread); EngineBusyError while requests run."""
-        await self._on_engine_thread(self.engine.sleep)
+    @property
+    def sleep_pending(self) -> bool:
+        """Asked to sleep once idle (sleep(drain=True)); it still serves what comes meanwhile."""
+        return self._sleep_when_idle
+
+    async def sleep(self, drain: bool = False) -> bool:
+        """Release the KV cache (LLMEngine.sleep, on the engine thread); True once asleep. While requests run:
+        EngineBusyError, or with `drain` False returned and the engine sleeps as soon as none runs."""
+        def now_or_later() -> bool:
+            if drain and self.engine.has_unfinished_requests():
+                self._sleep_when_idle = True
+                return False
+            self.engine.sleep()
+            return True
+        return await self._on_engine_thread(now_or_later)
 
     async def wake_up(self) -> None:
-        await self._on_engine_thread(self.engine.wake_up)
+        def wake() -> None:
+            self._sleep_when_idle = False
+            self.engine.wake_up()
+        await self._on_engine_thread(wake)
 
-    async def _on_engine_thread(self, call: Callable[[], None]) -> None:
+    async def _on_engine_thread(self, call: Callable[[], object]) -> object:
         if not self.is_alive:
             raise EngineDeadError("the engine has stopped")
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done: concurrent.futures.Future = concurrent.futures.Future()
         self._send("call", (call, done))
-        await asyncio.wrap_future(done)
+        return await asyncio.wrap_future(done)
 
     def stats(self) -> EngineStats:
         """The engine's counts now (blocks, running and waiting requests, prefix hits)."""
@@ -152,9 +168,20 @@ class AsyncEngine:
     # --- the engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # whoever waits on a call must not wait forever
+            self._fail_calls()
+
+    def _loop(self) -> None:
         while not self._stopping:
             self._drain_inbox()
             if not self.engine.has_unfinished_requests():
+                if self._sleep_when_idle:
+                    self._sleep_when_idle = False
+                    self.engine.sleep()
+                    self._publish_kv_events()
+                    log.info("asleep: the last request ended, KV cache released")
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
@@ -170,8 +197,7 @@ class AsyncEngine:
                 for out in outputs:
                     if out.finished:
                         self.metrics.observe_finished(out)
-            if self.kv_events is not None:
-                self.kv_events.publish(self.engine.block_manager.take_events())
+            self._publish_kv_events()
             for out in outputs:
                 if out.finished:
                     prompt = self.engine.tokenizer.decode(out.prompt_token_ids) if self.log_prompts else None
@@ -187,10 +213,12 @@ class AsyncEngine:
             if command == "call":
                 call, done = payload
                 try:
-                    call()
-                    done.set_result(None)
+                    result = call()
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     done.set_exception(exc)
+                else:
+                    self._publish_kv_events()  # a sleep clears the prefix cache: subscribers learn it first
+                    done.set_result(result)
             elif isinstance(payload, Sequence):
                 try:
                     self.engine.add_sequence(payload)
@@ -198,6 +226,19 @@ class AsyncEngine:
                     self._push(payload.request_id, exc)
             else:
                 self.engine.abort_request(str(payload))
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.engine.block_manager.take_events())
+
+    def _fail_calls(self) -> None:
+        while True:
+            try:
+                command, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command == "call":
+                payload[1].set_exception(EngineDeadError("the engine has stopped"))
 
     def _fail_all(self, exc: Exception) -> None:
         # their streams get the error instead of the abort outputs, so a failing step is not retried forever

@@ -155,6 +155,7 @@ STATUS_SCHEMA = {
         "kvCacheUsage": {"type": "number"}, "kvCachePercent": {"type": "integer"},
         "requestsRunning": {"type": "integer"}, "requestsWaiting": {"type": "integer"},
         "gatewayQueued": {"type": "integer"}, "lastScaleTime": {"type": "string", "format": "date-time"},
+        "rollingOut": {"type": "boolean", "description": "the engine Deployment has pods of an older template"},
         "warmPool": {"type": "object", "description": "the warm pool after the last period: its size, the pods "
                      "asleep, and how many the period woke and put to sleep",
                      "properties": {k: {"type": "integer"} for k in ("replicas", "asleep", "woken", "slept")}},

@@ -15,6 +15,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+MAX_GAP_S = 120.0  # a longer gap between samples (no plan: at zero, no counts, the operator down) starts afresh
+PENDING = 512  # forecasts awaiting their check (a horizon of up to 512 periods)
 ALPHA = 0.5  # weight of a new sample in the level (tuned on the bundled workloads' seeds 0-9, never held-out ones)
 BETA = 0.05  # weight of a new slope in the trend
 ERROR_DECAY = 0.05  # weight of a new error in the moving sums (about the last 20 checks)
@@ -30,8 +32,8 @@ class Holt:
     t: float | None = None
 
     def update(self, t: float, value: float) -> None:
-        if self.level is None or self.t is None or t <= self.t:
-            self.level, self.t = value, t
+        if self.level is None or self.t is None or t <= self.t or t - self.t > MAX_GAP_S:
+            self.level, self.trend, self.t = value, 0.0, t  # a trend is not carried across a gap
             return
         dt = t - self.t
         predicted = self.level + self.trend * dt
@@ -58,7 +60,7 @@ class ForecastError:
 
     def expect(self, due: float, forecast: float) -> None:
         self.pending.append((due, forecast))
-        del self.pending[:-64]  # bounded: a stopped clock cannot grow it
+        del self.pending[:-PENDING]  # bounded: a stopped clock cannot grow it
 
     def observe(self, t: float, actual: float) -> None:
         """A sample at t checks every forecast due by then."""
@@ -85,7 +87,10 @@ class ClassForecast:
     error: ForecastError = field(default_factory=ForecastError)
 
     def step(self, t: float, value: float, horizon_s: float) -> float:
-        """Take the sample at t, check the forecasts due, and forecast horizon_s ahead (recorded to be checked)."""
+        """Take the sample at t, check the forecasts due, and forecast horizon_s ahead (recorded to be checked).
+        After a gap the forecasts still waiting are dropped: what they foresaw was not observed."""
+        if self.model.t is not None and t - self.model.t > MAX_GAP_S:
+            self.error.pending.clear()
         self.error.observe(t, value)
         self.model.update(t, value)
         out = self.model.forecast(horizon_s)
@@ -95,11 +100,9 @@ class ClassForecast:
     def as_status(self) -> dict:
         """Its memory, unrounded (a restarted operator forecasts exactly as this one would); STATUS_SCHEMA's keys."""
         e, m = self.error, self.model
-        out: dict = {"trend": m.trend, "absError": e.abs_error, "demand": e.demand, "under": e.under,
-                     "checked": e.checked, "pending": [list(p) for p in e.pending]}
-        if m.level is not None and m.t is not None:
-            out |= {"level": m.level, "time": m.t}
-        return out
+        # level and time written even when None: the status is merge-patched, and an absent key would keep an old one
+        return {"level": m.level, "time": m.t, "trend": m.trend, "absError": e.abs_error, "demand": e.demand,
+                "under": e.under, "checked": e.checked, "pending": [list(p) for p in e.pending]}
 
     @classmethod
     def from_status(cls, saved: object) -> ClassForecast:
@@ -108,7 +111,7 @@ class ClassForecast:
             level, t = saved.get("level"), saved.get("time")  # type: ignore[union-attr]
             out = cls(Holt(None if level is None or t is None else float(level), float(saved["trend"]),
                            None if level is None or t is None else float(t)),
-                      ForecastError([(float(d), float(f)) for d, f in saved["pending"]][-64:],
+                      ForecastError([(float(d), float(f)) for d, f in saved["pending"]][-PENDING:],
                                     float(saved["absError"]), float(saved["demand"]), float(saved["under"]),
                                     int(saved["checked"])))
         except (TypeError, ValueError, KeyError, AttributeError):
@@ -121,7 +124,8 @@ class ClassForecast:
 
 
 STATUS_SCHEMA = {"type": "object", "properties": {
-    **{k: {"type": "number"} for k in ("level", "time", "trend", "absError", "demand", "under")},
+    **{k: {"type": "number", "nullable": True} for k in ("level", "time")},
+    **{k: {"type": "number"} for k in ("trend", "absError", "demand", "under")},
     "checked": {"type": "integer"},
     "pending": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}}}
 

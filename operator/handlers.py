@@ -34,7 +34,7 @@ from kvfleet.operator.observe import batch_backlog, observe_fleet
 from kvfleet.operator.planner import demand_windows
 from kvfleet.operator.settings import OperatorConfig
 from kvfleet.operator.slo_status import slo_attainment_status
-from kvfleet.operator.warm_pool import PodState, idle_urls, pool_states, settle_warm_pool
+from kvfleet.operator.warm_pool import PodState, pod_loads, pool_states, settle_warm_pool
 
 log = logging.getLogger("kvfleet.operator")
 HISTORY = 5
@@ -167,12 +167,13 @@ class FleetHandlers:
         metrics.GATEWAY_QUEUED.labels(namespace, name).set(queued)
         warm: list[PodState] = []
         if fleet.warm_pool is not None:
-            warm = await pool_states(pod_objects, idle_urls(pod_objects, pods), self.config.scrape_timeout_s)
+            warm = await pool_states(pod_objects, pod_loads(pod_objects, pods), self.config.scrape_timeout_s)
         elif status.get("warmPool") is not None:
             patch.status["warmPool"] = None
         if not fleet.autoscaling_enabled:
             if fleet.warm_pool is not None:
-                patch.status.update(await settle_warm_pool(fleet, fleet.warm_pool, warm, fleet.replicas))
+                patch.status.update(await settle_warm_pool(fleet, fleet.warm_pool, warm, fleet.replicas,
+                                                           not counts["rollingOut"]))
             return
         state = self.autoscaler_state(f"{namespace}/{name}", status)
         window_s, recent_s = demand_windows(fleet.autoscaling.stable_window_s)
@@ -191,7 +192,8 @@ class FleetHandlers:
             await asyncio.to_thread(set_replicas, namespace, name, decision.desired)
             record_scaling(fleet, decision, queued, body, status, patch)
         if fleet.warm_pool is not None:  # asleep pods wake for a scale-up now; new ones join the pool when loaded
-            patch.status.update(await settle_warm_pool(fleet, fleet.warm_pool, warm, decision.desired))
+            patch.status.update(await settle_warm_pool(fleet, fleet.warm_pool, warm, decision.desired,
+                                                       not counts["rollingOut"]))
 
     def autoscaler_state(self, key: str, status: kopf.Status) -> AutoscalerState:
         """The fleet's autoscaler state from its status, unless this process holds a newer one."""

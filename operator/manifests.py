@@ -97,7 +97,9 @@ def build_deployment(fleet: FleetSpec, replicas: int) -> dict:
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(fleet.name)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            # asleep pods of the warm pool are not Ready: allowed unavailable, or a rollout could never finish
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {
+                "maxUnavailable": fleet.warm_pool.replicas if fleet.warm_pool else 0, "maxSurge": 1}},
             "template": {"metadata": {"labels": engine_labels(fleet.name),
                                       "annotations": {"prometheus.io/scrape": "true",
                                                       "prometheus.io/port": str(ENGINE_PORT)}},

@@ -69,16 +69,20 @@ def fleet_pods(fleet: FleetSpec) -> list[dict]:
     return [p.to_dict(serialize=True) for p in pods.items]
 
 
-def deployment_replicas(fleet: FleetSpec) -> tuple[int, int]:
-    """(replicas, ready replicas) of the fleet's Deployment; (0, 0) before it exists (blocking: run in a thread)."""
+def deployment_replicas(fleet: FleetSpec) -> tuple[int, int, bool]:
+    """(replicas, ready replicas, a rollout in progress) of the fleet's Deployment; (0, 0, False) before it exists
+    (blocking: run in a thread)."""
     try:
         dep = client.AppsV1Api().read_namespaced_deployment(name=deployment_name(fleet.name),
                                                             namespace=fleet.namespace)
     except client.ApiException as err:
         if err.status != 404:
             raise
-        return 0, 0
-    return (0, 0) if dep.status is None else (dep.status.replicas or 0, dep.status.ready_replicas or 0)
+        return 0, 0, False
+    if dep.status is None:
+        return 0, 0, False
+    replicas = dep.status.replicas or 0
+    return replicas, dep.status.ready_replicas or 0, (dep.status.updated_replicas or 0) < replicas
 
 
 async def observe_fleet(fleet: FleetSpec, redis_url: str | None,
@@ -91,10 +95,11 @@ async def observe_fleet(fleet: FleetSpec, redis_url: str | None,
     async with httpx.AsyncClient(timeout=timeout_s) as http:
         loads = await asyncio.gather(*(scrape_pod(http, u) for u in urls))
     queued = await gateway_queued(redis_url, fleet.name)
-    replicas, ready = await asyncio.to_thread(deployment_replicas, fleet)
+    replicas, ready, rolling_out = await asyncio.to_thread(deployment_replicas, fleet)
     kv = [p.kv_cache_usage for p in loads if p.kv_cache_usage is not None]
     kv_cache_usage_avg = sum(kv) / len(kv) if kv else 0.0
     status = {"replicas": replicas, "readyReplicas": ready, "kvCacheUsage": round(kv_cache_usage_avg, 3),
               "kvCachePercent": round(kv_cache_usage_avg * 100), "requestsRunning": sum(p.running or 0 for p in loads),
-              "requestsWaiting": sum(p.waiting or 0 for p in loads), "gatewayQueued": queued}
+              "requestsWaiting": sum(p.waiting or 0 for p in loads), "gatewayQueued": queued,
+              "rollingOut": rolling_out}
     return loads, queued, status, pods

@@ -44,9 +44,9 @@ def test_an_idle_engine_sleeps_releasing_its_kv_cache_and_wakes_answering_as_bef
     before = complete(url).json()["choices"][0]["text"]
     awake_mib = resident_mib(proc.pid)
     answer = httpx.post(f"{url}/sleep", params={"level": "1"}, headers=AUTH, timeout=30)
-    assert answer.status_code == 200 and answer.json() == {"is_sleeping": True}
+    assert answer.status_code == 200 and answer.json() == {"is_sleeping": True, "sleep_pending": False}
     assert awake_mib - resident_mib(proc.pid) >= 0.8 * KV_MIB  # the cache's memory went back to the system
-    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True, "sleep_pending": False}
     assert httpx.get(f"{url}/health").status_code == 200
     ready = httpx.get(f"{url}/ready")
     assert (ready.status_code, ready.json()["status"]) == (503, "sleeping")
@@ -55,7 +55,7 @@ def test_an_idle_engine_sleeps_releasing_its_kv_cache_and_wakes_answering_as_bef
     assert refused.json()["error"]["code"] == "engine_asleep" and "/wake_up" in refused.json()["error"]["message"]
     assert httpx.post(f"{url}/sleep", headers=AUTH).status_code == 200  # again: nothing changes
     woke = httpx.post(f"{url}/wake_up", headers=AUTH, timeout=30)
-    assert woke.status_code == 200 and woke.json() == {"is_sleeping": False}
+    assert woke.status_code == 200 and woke.json() == {"is_sleeping": False, "sleep_pending": False}
     assert httpx.get(f"{url}/ready").status_code == 200
     assert complete(url).json()["choices"][0]["text"] == before
     metrics = httpx.get(f"{url}/metrics").text
@@ -82,25 +82,55 @@ def test_an_engine_busy_with_a_request_refuses_to_sleep_and_the_request_runs_on(
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "engine_busy"
     assert "drain" in refused.json()["error"]["message"]
     assert finish[-1] == "length"  # it ran to its end
-    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+    assert httpx.get(f"{url}/is_sleeping").json()["is_sleeping"] is False
+
+
+def test_a_drained_sleep_leaves_the_service_at_once_and_sleeps_when_the_last_request_ends(sleepy) -> None:
+    _, url = sleepy
+    started, finish = threading.Event(), []
+
+    def stream() -> None:
+        body = {**BODY, "max_tokens": 80, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    finish.append(json.loads(line[6:])["choices"][0]["finish_reason"])
+                    started.set()
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    assert started.wait(30)
+    pending = httpx.post(f"{url}/sleep", params={"drain": "true"}, headers=AUTH, timeout=30)
+    assert pending.status_code == 202 and pending.json() == {"is_sleeping": False, "sleep_pending": True}
+    assert httpx.get(f"{url}/ready").json()["status"] == "sleeping"  # out of the Service while it finishes
+    worker.join(60)
+    assert finish[-1] == "length"
+    for _ in range(100):
+        if httpx.get(f"{url}/is_sleeping").json()["is_sleeping"]:
+            break
+        threading.Event().wait(0.05)
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True, "sleep_pending": False}
+    assert httpx.post(f"{url}/wake_up", headers=AUTH, timeout=30).status_code == 200
+    assert complete(url).status_code == 200
 
 
 @pytest.mark.parametrize(("path", "params", "param"), [
     ("/sleep", {"level": "2"}, "level"), ("/sleep", {"level": "x" * 10_000}, "level"),
-    ("/sleep", [("level", "1"), ("level", "1")], "level"), ("/wake_up", {"tags": "gpu"}, "tags")])
+    ("/sleep", [("level", "1"), ("level", "1")], "level"), ("/wake_up", {"tags": "gpu"}, "tags"),
+    ("/sleep", {"drain": "yes"}, "drain")])
 def test_a_level_or_tag_the_engine_does_not_offer_is_a_400_naming_it(sleepy, path, params, param) -> None:
     _, url = sleepy
     answer = httpx.post(f"{url}{path}", params=params, headers=AUTH)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param
     assert len(answer.text) < 1000
-    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False, "sleep_pending": False}
 
 
 def test_sleep_and_wake_need_the_engine_token(sleepy) -> None:
     _, url = sleepy
     for path in ("/sleep", "/wake_up"):
         assert httpx.post(f"{url}{path}").status_code == 401
-    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+    assert httpx.get(f"{url}/is_sleeping").json()["is_sleeping"] is False
 
 
 def test_without_sleep_mode_the_routes_say_how_to_turn_it_on(tiny_server: str) -> None:
@@ -109,18 +139,32 @@ def test_without_sleep_mode_the_routes_say_how_to_turn_it_on(tiny_server: str) -
     assert httpx.get(f"{tiny_server}/ready").status_code == 200
 
 
-def test_the_engine_forgets_its_prefix_cache_asleep_and_saying_so_in_a_kv_event(tiny_model_dir: Path) -> None:
-    engine = make_engine(tiny_model_dir, enable_sleep_mode=True)
-    engine.block_manager.events = []
+def test_the_engine_forgets_its_prefix_cache_asleep_and_its_kv_event_subscribers_learn_it_at_once(
+        tiny_model_dir: Path) -> None:
+    import asyncio
+
+    from kvfleet.engine.async_engine import AsyncEngine
+    from kvfleet.engine.kv_event_hub import KVEventHub
     from kvfleet.engine.sampling_params import SamplingParams
 
-    engine.add_request("a", [5] * 64, SamplingParams(max_tokens=2))
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.block_manager.cached_blocks
-    engine.block_manager.take_events()
-    engine.sleep()
-    assert engine.backend.kv_cache is None and not engine.block_manager.cached_blocks
-    assert [type(e).__name__ for e in engine.block_manager.take_events()] == ["AllBlocksCleared"]
-    engine.wake_up()
-    assert engine.backend.kv_cache is not None and engine.stats().kv_blocks_free == engine.capacity.num_blocks
+    engine = make_engine(tiny_model_dir, enable_sleep_mode=True)
+    engine.block_manager.events = []
+    hub = KVEventHub()
+    front = AsyncEngine(engine, kv_events=hub)
+
+    async def scenario() -> None:
+        async for _ in front.generate([5] * 64, SamplingParams(max_tokens=2)):
+            pass
+        assert hub.num_blocks > 0 and engine.block_manager.cached_blocks
+        assert await front.sleep() is True
+        assert hub.num_blocks == 0  # published with the sleep, not at some later step
+        assert engine.backend.kv_cache is None and not engine.block_manager.cached_blocks
+        await front.wake_up()
+        assert engine.backend.kv_cache is not None and engine.stats().kv_blocks_free == engine.capacity.num_blocks
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        front.shutdown()
+    with pytest.raises(Exception, match="stopped"):  # a call after the engine thread ended fails, never hangs
+        asyncio.run(front.wake_up())

@@ -60,3 +60,13 @@ def test_every_decision_reports_the_forecast_of_each_class_with_a_target() -> No
     assert forecast["standard"]["checked"] == 9 and forecast["standard"]["relativeError"] is not None
     restarted = AutoscalerState.from_status(json.loads(json.dumps(state.as_status())))
     assert restarted.planner.forecasts == state.planner.forecasts
+
+
+def test_a_gap_between_samples_starts_the_forecast_afresh_rather_than_extrapolating_across_it() -> None:
+    f = ClassForecast()
+    for t in range(0, 600, 15):
+        f.step(t, 0.01 * t, 45)
+    assert f.model.forecast(45) > 6.0
+    later = f.step(600 + 3600, 4.6, 45)  # an hour without a plan (scaled to zero, or the operator down)
+    assert later == 4.6 and f.model.trend == 0.0
+    assert f.error.pending == [(600 + 3600 + 45, 4.6)]  # the forecasts made before the gap are not judged by it

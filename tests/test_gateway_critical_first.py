@@ -87,9 +87,10 @@ def test_it_goes_where_it_starts_soonest_counting_the_critical_prompt_tokens_ahe
     fast = [snapshot("a", critical=1, critical_tokens=900, rate=2000.0),
             snapshot("b", critical=1, critical_tokens=300, rate=500.0)]
     assert pick(strategy, fast, RoutingContext(num_tokens=100), rng, critical=POLICY).url == "a"  # 0.5 s vs 0.8 s
-    unmeasured = [snapshot("a", critical=1, critical_tokens=900), snapshot("b", critical=1, critical_tokens=300,
+    # an engine that has not measured its rate is taken to be as fast as the fleet's median (b's), not 1 token/s
+    unmeasured = [snapshot("a", critical=1, critical_tokens=300), snapshot("b", critical=1, critical_tokens=900,
                                                                           rate=500.0)]
-    assert pick(strategy, unmeasured, RoutingContext(num_tokens=100), rng, critical=POLICY).url == "b"  # a at b's rate
+    assert pick(strategy, unmeasured, RoutingContext(num_tokens=100), rng, critical=POLICY).url == "a"
     cached = RoutingContext(prefix_matches={"a": 1.0}, num_tokens=800)  # a: 300 tokens ahead, 0 own; b: 0 + 800
     assert pick(strategy, [snapshot("a", critical=1, critical_tokens=300, rate=500.0),
                            snapshot("b", critical=0, rate=500.0)], cached, rng, critical=POLICY).url == "a"

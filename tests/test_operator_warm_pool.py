@@ -34,6 +34,8 @@ def test_a_warm_pool_adds_its_pods_to_the_deployment_and_puts_the_engines_in_sle
     deployment = build_deployment(fleet, fleet.pods)
     assert deployment["spec"]["replicas"] == 5
     assert "--enable-sleep-mode" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    # asleep pods are not Ready: a rollout may count them unavailable, or it would never finish
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 3, "maxSurge": 1}
     without = parse_fleet("chat", "ns", spec({"replicas": 0}))
     assert without.warm_pool is None and without.pods == 2
     template = build_deployment(without, 2)["spec"]["template"]
@@ -60,15 +62,16 @@ def test_a_hostile_warm_pool_is_refused_naming_the_field(warm: object, runtime: 
             jsonschema.validate({"spec": spec(warm)}, SCHEMA)
 
 
-def test_the_plan_wakes_asleep_pods_for_more_replicas_and_puts_only_idle_spare_ones_to_sleep() -> None:
-    pods = [PodState("a", False, idle=False), PodState("b", False, idle=True), PodState("c", False, idle=True),
+def test_the_plan_wakes_asleep_pods_for_more_replicas_and_puts_the_least_loaded_spare_ones_to_sleep() -> None:
+    pods = [PodState("a", False, load=7), PodState("b", False, load=2), PodState("c", False, load=None),
             PodState("z", True)]
-    assert plan_warm_pool(pods, active=1, pool=2) == ([], ["b"])  # one spare slot in the pool: an idle pod
+    assert plan_warm_pool(pods, active=1, pool=2) == ([], ["b"])  # one slot left in the pool: the least loaded
+    assert plan_warm_pool(pods, active=1, pool=3) == ([], ["b", "a"])  # unscraped pods last
     assert plan_warm_pool(pods, active=3, pool=2) == ([], [])  # all three serve; the pool waits for new pods
     assert plan_warm_pool(pods, active=4, pool=2) == (["z"], [])
     assert plan_warm_pool(pods, active=1, pool=1) == ([], [])  # the pool is full
-    busy = [PodState("a", False), PodState("b", False)]
-    assert plan_warm_pool(busy, active=1, pool=1) == ([], [])  # busy pods never sleep: the next period tries
+    assert plan_warm_pool(pods, active=1, pool=2, may_sleep=False) == ([], [])  # a rollout in progress
+    assert plan_warm_pool(pods, active=4, pool=2, may_sleep=False) == (["z"], [])  # waking never waits
     assert plan_warm_pool([PodState("z", True), PodState("y", True)], active=0, pool=2) == ([], [])
 
 
@@ -92,7 +95,7 @@ def test_the_operator_sleeps_a_spare_idle_engine_and_wakes_it_for_a_scale_up(sle
 
     def period(active: int) -> dict:
         objects = [pod(u, httpx.get(f"{u}/ready").status_code == 200) for u in sleepy_engines]  # as kubelet probes
-        states = asyncio.run(pool_states(objects, set(sleepy_engines), 5.0))
+        states = asyncio.run(pool_states(objects, dict.fromkeys(sleepy_engines, 0), 5.0))
         return asyncio.run(settle_warm_pool(fleet, fleet.warm_pool, states, active))
 
     assert period(active=1) == {"warmPool": {"replicas": 1, "asleep": 1, "woken": 0, "slept": 1}}

@@ -63,7 +63,7 @@ class EndpointPicker(ExternalProcessorServicer):
         priority = DEFAULT_PRIORITY
         modes = modes_of(first)
         url: str | None = None
-        tokens = 0  # the chosen engine's prompt tokens to compute for it
+        started = nothing_counted  # a critical request counts on its engine until its answer starts
         fleet = [self.gateway]  # the fleet the request was admitted to, once known (its metrics count it)
         try:
             refuse_unroutable(modes)
@@ -71,8 +71,9 @@ class EndpointPicker(ExternalProcessorServicer):
                 priority = parse_priority(request_headers.get(headers.PRIORITY))
             except ValueError as err:
                 raise APIError(400, str(err), param=headers.PRIORITY) from None
-            url, tokens = await self._decide(context, request_headers, priority, first.request_headers.end_of_stream,
-                                     subset_hint(first), modes, request_id, fleet.append)
+            url, started = await self._decide(context, request_headers, priority,
+                                              first.request_headers.end_of_stream, subset_hint(first), modes,
+                                              request_id, fleet.append)
         except APIError as err:
             # counted before the answer goes: Envoy may end the stream once it has the answer, which cancels this
             # handler at the write (a refusal counted after it went uncounted now and then on a busy machine)
@@ -89,9 +90,6 @@ class EndpointPicker(ExternalProcessorServicer):
         # the picker ends the request: Envoy answers 503 if the engine had not answered yet, else resets the stream.
         silent = asyncio.timeout(None)
         gateway.pool.watch(url, silent)
-        # a critical request waits to start until the answer's headers come (a gateway that sends them to its
-        # picker), else, with our own Envoy's response_header_mode SKIP, until the request ends
-        started = gateway.pool.critical_sent(url, tokens) if priority is Priority.CRITICAL else nothing_counted
         try:
             async with silent:
                 while (message := await context.read()) is not grpc.aio.EOF:
@@ -110,8 +108,11 @@ class EndpointPicker(ExternalProcessorServicer):
     async def _decide(self, context: grpc.aio.ServicerContext, request_headers: Mapping[str, str],
                       priority, no_body: bool, subset: frozenset[str] | None = None, modes: Modes = OWN,
                       request_id: str | None = None, on_fleet: Callable[[Gateway], None] | None = None
-                      ) -> tuple[str, int]:
-        """The engine the request goes to, and its prompt tokens that engine computes (Router.dispatched)."""
+                      ) -> tuple[str, Callable[[], None]]:
+        """The engine the request goes to, and the call that ends a critical request's count there (its answer's
+        headers, when a gateway sends them to its picker, else, with our own Envoy's response_header_mode SKIP, the
+        request's end). The count starts with the pick, before any await, so critical requests picked together see
+        each other's tokens."""
         front = self.gateway
         limits = front.config.http_limits
         left = asyncio.Event()
@@ -154,6 +155,17 @@ class EndpointPicker(ExternalProcessorServicer):
             raise APIError(503, "no engine is available; retry later", "service_unavailable", code="no_engine",
                            headers={headers.RETRY_AFTER: "1"})
         tokens = gateway.router.dispatched(admitted.hashes, url)
+        started = gateway.pool.critical_sent(url, tokens) if priority is Priority.CRITICAL else nothing_counted
+        try:
+            await self._route(context, gateway, admitted, urls, priority, modes, streamed, request_id)
+        except BaseException:
+            started()
+            raise
+        return url, started
+
+    async def _route(self, context: grpc.aio.ServicerContext, gateway: Gateway, admitted, urls: list[str],
+                     priority: Priority, modes: Modes, streamed: StreamedBody, request_id: str | None) -> None:
+        """Tell Envoy where the request goes (and, in duplex mode, its body)."""
         message = route_to(urls, admitted.body if admitted.changed else None, gateway.config.engine_api_key,
                            request_id)
         if self.feed is not None:  # the ticket Envoy's access log entry brings back with the answer's usage
@@ -169,7 +181,6 @@ class EndpointPicker(ExternalProcessorServicer):
                 await context.write(answer)
         else:
             await context.write(message)
-        return url, tokens
 
 
 def engine_went_silent(url: str) -> APIError:

@@ -172,9 +172,11 @@ class Fleet:
         ahead = [self._critical_start_s(pod, now) for pod, _ in scraped]
         for at, request in pending:
             if self.critical_first and request.priority is Priority.CRITICAL and critical:
+                # among the pods with room for it (fewer critical requests not begun than the saturation queue),
                 # where it would start soonest: the engines run critical prompts first, so only those count
-                k = min(range(len(critical)), key=lambda i: (ahead[i], scraped[i][1].running + len(sent[i])))
-                if critical[k] < self.saturation_waiting:  # it waits there only behind critical requests
+                room = [i for i in range(len(critical)) if critical[i] < self.saturation_waiting]
+                if room:
+                    k = min(room, key=lambda i: (ahead[i], critical[i], scraped[i][1].running + len(sent[i])))
                     sent[k].append((at, request))
                     critical[k] += 1
                     ahead[k] += request.prefill_s
