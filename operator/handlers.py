@@ -34,7 +34,7 @@ from kvfleet.operator.observe import batch_backlog, observe_fleet
 from kvfleet.operator.planner import demand_windows
 from kvfleet.operator.settings import OperatorConfig
 from kvfleet.operator.slo_status import slo_attainment_status
-from kvfleet.operator.warm_pool import PodState, pod_loads, pool_states, settle_warm_pool
+from kvfleet.operator.warm_pool import PodState, asleep_pod_uids, pod_loads, pool_states, settle_warm_pool
 
 log = logging.getLogger("kvfleet.operator")
 HISTORY = 5
@@ -106,6 +106,8 @@ class FleetHandlers:
 
     config: OperatorConfig
     autoscalers: dict[str, AutoscalerState] = field(default_factory=dict)
+    # per fleet, its pods (uid) seen asleep in its warm pool: their Ready time is a wake's, not a cold start's
+    slept: dict[str, set[str]] = field(default_factory=dict)
 
     async def reconcile(self, spec: kopf.Spec, name: str, namespace: str, body: kopf.Body, meta: kopf.Meta,
                         patch: kopf.Patch, **_: Any) -> None:
@@ -156,7 +158,12 @@ class FleetHandlers:
             patch.status.update({"loraAdapters": None, "loraAdaptersReady": None})
         now = time.time()  # wall-clock time: the windows in the status must mean the same to the next process
         patch.status.update(counts)
-        starts = add_starts(saved_samples(status.get("coldStart")), pod_objects)
+        warm: list[PodState] = []
+        if fleet.warm_pool is not None:
+            warm = await pool_states(pod_objects, pod_loads(pod_objects, pods), self.config.scrape_timeout_s)
+        slept = self.slept_pods(f"{namespace}/{name}", pod_objects, warm)
+        starts = add_starts(saved_samples(status.get("coldStart")),
+                            [p for p in pod_objects if (p.get("metadata") or {}).get("uid") not in slept])
         cold_start_s = cold_start_figure(starts)
         patch.status["coldStart"] = cold_start_status(starts)
         if cold_start_s is not None:
@@ -165,10 +172,7 @@ class FleetHandlers:
         patch.status["sloAttainment"] = slo_attainment_status(fleet.autoscaling.slo, counted, fleet.slo_window_s)
         metrics.KV_CACHE_USAGE.labels(namespace, name).set(counts["kvCacheUsage"])
         metrics.GATEWAY_QUEUED.labels(namespace, name).set(queued)
-        warm: list[PodState] = []
-        if fleet.warm_pool is not None:
-            warm = await pool_states(pod_objects, pod_loads(pod_objects, pods), self.config.scrape_timeout_s)
-        elif status.get("warmPool") is not None:
+        if fleet.warm_pool is None and status.get("warmPool") is not None:
             patch.status["warmPool"] = None
         if not fleet.autoscaling_enabled:
             if fleet.warm_pool is not None:
@@ -194,6 +198,13 @@ class FleetHandlers:
         if fleet.warm_pool is not None:  # asleep pods wake for a scale-up now; new ones join the pool when loaded
             patch.status.update(await settle_warm_pool(fleet, fleet.warm_pool, warm, decision.desired,
                                                        not counts["rollingOut"]))
+
+    def slept_pods(self, key: str, pod_objects: list[dict], warm: list[PodState]) -> set[str]:
+        """The fleet's pods that have been asleep (kept while they exist), now including those asleep now."""
+        alive = {str(uid) for p in pod_objects if (uid := (p.get("metadata") or {}).get("uid"))}
+        slept = (self.slept.get(key, set()) & alive) | asleep_pod_uids(pod_objects, warm)
+        self.slept[key] = slept
+        return slept
 
     def autoscaler_state(self, key: str, status: kopf.Status) -> AutoscalerState:
         """The fleet's autoscaler state from its status, unless this process holds a newer one."""

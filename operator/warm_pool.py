@@ -82,6 +82,13 @@ def pod_loads(pod_objects: list[dict], loads: list[PodLoad]) -> dict[str, int]:
             if load.has_metrics}
 
 
+def asleep_pod_uids(pod_objects: list[dict], states: list[PodState]) -> set[str]:
+    """The uids of the pods asleep (or about to be): their next Ready is a wake, not a cold start."""
+    asleep = {s.url for s in states if s.asleep}
+    return {str(uid) for p in pod_objects if running_pod_url(p) in asleep
+            and (uid := (p.get("metadata") or {}).get("uid"))}
+
+
 async def pool_states(pod_objects: list[dict], loads: dict[str, int], timeout_s: float) -> list[PodState]:
     """Each running pod that answers /is_sleeping: asleep (or about to be), or awake and Ready."""
     urls = [(url, pod_endpoint(p) is not None) for p in pod_objects if (url := running_pod_url(p))]

@@ -107,3 +107,19 @@ def test_the_operator_sleeps_a_spare_idle_engine_and_wakes_it_for_a_scale_up(sle
         assert httpx.get(f"{url}/ready").status_code == 200
         answer = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=30)
         assert answer.status_code == 200
+
+
+def test_a_pod_once_asleep_is_never_sampled_as_a_cold_start() -> None:
+    """Its Ready time is its latest wake's: creation to then is no cold start (it would stretch the planner's
+    horizon). The memory keeps only pods that still exist."""
+    from kvfleet.operator.handlers import FleetHandlers
+    from kvfleet.operator.settings import OperatorConfig
+
+    handlers = FleetHandlers(OperatorConfig())
+    a, b = pod("http://127.0.0.1:9001", ready=False), pod("http://127.0.0.1:9002", ready=True)
+    a["metadata"]["uid"], b["metadata"]["uid"] = "uid-a", "uid-b"
+    asleep = [PodState("http://127.0.0.1:9001", True), PodState("http://127.0.0.1:9002", False, load=0)]
+    assert handlers.slept_pods("ns/chat", [a, b], asleep) == {"uid-a"}
+    awake_again = [PodState("http://127.0.0.1:9001", False, load=0), PodState("http://127.0.0.1:9002", False)]
+    assert handlers.slept_pods("ns/chat", [a, b], awake_again) == {"uid-a"}  # woken: still not a cold start
+    assert handlers.slept_pods("ns/chat", [b], awake_again) == set()  # gone: forgotten
