@@ -35,6 +35,7 @@ from kvfleet.operator.autoscaler import AutoscalingPolicy
 from kvfleet.operator.crd import build_crd
 from kvfleet.operator.fleet_fields import AUTOSCALING_ENABLED, AUTOSCALING_FIELDS, SPEC_FIELDS
 from kvfleet.operator.fleet_spec import FleetEngineSettings, FleetSpec, InvalidSpec, parse_fleet
+from kvfleet.operator.warm_pool_spec import WarmPool
 
 SPEC_SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 MINIMAL = {"model": "m"}
@@ -84,8 +85,13 @@ def test_the_crds_autoscaling_and_spec_defaults_are_the_parsers_and_the_policys(
     # The structured fields: sloClasses defaults from kvfleet/fleet/slo.py, capacity has no default (absent: the pods
     # measure theirs); both in tests/test_operator_slo_classes.py
     assert set(auto_schema) == {f.name for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)} | {"sloClasses",
-                                                                                                  "capacity"}
+                                                                                                  "capacity",
+                                                                                                  "warmPool"}
     assert "default" not in auto_schema["capacity"] and fleet.autoscaling.capacity is None
+    # warmPool: absent is no pool; its fields' defaults are WarmPool's (tests/test_operator_warm_pool.py)
+    warm = auto_schema["warmPool"]["properties"]
+    assert fleet.warm_pool is None and warm["replicas"]["default"] == 0
+    assert warm["wakeSeconds"]["default"] == WarmPool().wake_s
     for f in AUTOSCALING_FIELDS:
         assert auto_schema[f.name]["default"] == getattr(fleet.autoscaling, f.attr) == getattr(
             AutoscalingPolicy(), f.attr), f.name
