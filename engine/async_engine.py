@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,12 +204,16 @@ class AsyncEngine:
                     log_finished(out, prompt)
             self._deliver(outputs)
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self) -> Iterator[tuple[str, object]]:
+        """The commands in the inbox, oldest first, until it is empty."""
         while True:
             try:
-                command, payload = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for command, payload in self._take_inbox():
             if command == "call":
                 call, done = payload
                 try:
@@ -232,11 +236,7 @@ class AsyncEngine:
             self.kv_events.publish(self.engine.block_manager.take_events())
 
     def _fail_calls(self) -> None:
-        while True:
-            try:
-                command, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for command, payload in self._take_inbox():
             if command == "call":
                 payload[1].set_exception(EngineDeadError("the engine has stopped"))
 

@@ -9,7 +9,7 @@ requests; the autoscaler plans against the wake time while the pool has pods asl
 to sleep (an asleep new pod would count as unavailable and stall it), and the Deployment allows as many unavailable
 pods as the pool has.
 
-The plan is pure (plan_warm_pool); the calls are at the edge (sync_warm_pool).
+The plan is pure (plan_warm_pool); the calls are at the edge (pool_states reads, settle_warm_pool acts).
 """
 
 from __future__ import annotations

@@ -39,6 +39,25 @@ def complete(url: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=BODY, headers=AUTH, timeout=60)
 
 
+def streaming(url: str, max_tokens: int) -> tuple[threading.Thread, list]:
+    """A streamed completion of max_tokens running in a thread, once its first token came; the finish reasons of
+    its chunks gather in the list."""
+    started, finish = threading.Event(), []
+
+    def stream() -> None:
+        body = {**BODY, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    finish.append(json.loads(line[6:])["choices"][0]["finish_reason"])
+                    started.set()
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    assert started.wait(30)
+    return worker, finish
+
+
 def test_an_idle_engine_sleeps_releasing_its_kv_cache_and_wakes_answering_as_before(sleepy) -> None:
     proc, url = sleepy
     before = complete(url).json()["choices"][0]["text"]
@@ -64,19 +83,7 @@ def test_an_idle_engine_sleeps_releasing_its_kv_cache_and_wakes_answering_as_bef
 
 def test_an_engine_busy_with_a_request_refuses_to_sleep_and_the_request_runs_on(sleepy) -> None:
     _, url = sleepy
-    started, finish = threading.Event(), []
-
-    def stream() -> None:
-        body = {**BODY, "max_tokens": 60, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    finish.append(json.loads(line[6:])["choices"][0]["finish_reason"])
-                    started.set()
-
-    worker = threading.Thread(target=stream)
-    worker.start()
-    assert started.wait(30)
+    worker, finish = streaming(url, 60)
     refused = httpx.post(f"{url}/sleep", headers=AUTH, timeout=30)
     worker.join(60)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "engine_busy"
@@ -87,19 +94,7 @@ def test_an_engine_busy_with_a_request_refuses_to_sleep_and_the_request_runs_on(
 
 def test_a_drained_sleep_leaves_the_service_at_once_and_sleeps_when_the_last_request_ends(sleepy) -> None:
     _, url = sleepy
-    started, finish = threading.Event(), []
-
-    def stream() -> None:
-        body = {**BODY, "max_tokens": 80, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    finish.append(json.loads(line[6:])["choices"][0]["finish_reason"])
-                    started.set()
-
-    worker = threading.Thread(target=stream)
-    worker.start()
-    assert started.wait(30)
+    worker, finish = streaming(url, 80)
     pending = httpx.post(f"{url}/sleep", params={"drain": "true"}, headers=AUTH, timeout=30)
     assert pending.status_code == 202 and pending.json() == {"is_sleeping": False, "sleep_pending": True}
     assert httpx.get(f"{url}/ready").json()["status"] == "sleeping"  # out of the Service while it finishes

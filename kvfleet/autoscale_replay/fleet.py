@@ -92,8 +92,7 @@ class Fleet:
         self.queue_caps = queue_caps
         self.pods = [Pod(engine, 0.0) for _ in range(replicas)]
         for _ in range(warm_pool):
-            self.pods.append(pod := Pod(engine, 0.0))
-            pod.asleep = True
+            self._start_asleep(0.0)
         self.queue: list[tuple[float, int, Request]] = []  # heap by (the gateway's score, arrival order)
         self.queued_by_class = dict.fromkeys(Priority, 0)
         self.arrivals_per_second: list[int] = []
@@ -137,19 +136,25 @@ class Fleet:
         needed = desired - len(live)
         for pod in sorted((p for p in self.pods if p.asleep), key=lambda p: p.ready_at)[:max(0, needed)]:
             pod.asleep = False
-            pod.ready_at = max(pod.ready_at, now + self.wake_s) if pod.ready_at <= now else pod.ready_at
+            if pod.ready_at <= now:  # loaded: serving after the wake (else after its load)
+                pod.ready_at = now + self.wake_s
             needed -= 1
         for _ in range(needed):
             self.pods.append(Pod(self.engine, now + self.engine.cold_start_s))
         for _ in range(self.warm_pool - self.asleep):
-            self.pods.append(pod := Pod(self.engine, now + self.engine.cold_start_s))
-            pod.asleep = True
+            self._start_asleep(now + self.engine.cold_start_s)
         if desired < len(live):
             for pod in sorted(live, key=lambda p: (p.ready_at <= now, p.load, -p.ready_at))[:len(live) - desired]:
                 if pod.ready_at > now:
                     self.pods.remove(pod)
                 else:
                     pod.draining = True
+
+    def _start_asleep(self, ready_at: float) -> None:
+        """A new pod for the warm pool: it sleeps once loaded."""
+        pod = Pod(self.engine, ready_at)
+        pod.asleep = True
+        self.pods.append(pod)
 
     def step(self, now: float, arrivals: list[Request]) -> None:
         """One second: route the gateway's queue (in its order) and the new arrivals, then serve."""
