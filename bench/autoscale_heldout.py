@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk-tokens", type=int, default=0,
                    help="the engine model's chunk (the engines' --long-prefill-token-threshold); 0: whole prompts")
     p.add_argument("--warm-pool", type=int, default=0, help="kvfleet's warm pool: pods kept asleep (0: none)")
+    p.add_argument("--critical-lane", action="store_true", help="kvfleet's critical lane (one pod for critical)")
     p.add_argument("--wake-seconds", type=float, default=5.0, help="how long an asleep pod takes to serve again")
     p.add_argument("--json", type=Path)
     p.add_argument("--chart", type=Path)
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{workload}/s{seed}"
             engine = EngineModel(prefill_chunk_tokens=args.prefill_chunk_tokens)
             results = replay(HELD_OUT[workload](seed), list(POLICIES),
-                             Settings(engine, warm_pool=args.warm_pool, wake_s=args.wake_seconds))
+                             Settings(engine, warm_pool=args.warm_pool, wake_s=args.wake_seconds,
+                                      critical_lane=args.critical_lane))
             verdict = judge(results)
             report["traces"][name] = {"results": results, "judged": verdict}
             crit = verdict["critical_of_feasible"]

@@ -127,10 +127,15 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "requests so engines run them first; turn off for vLLM pods without --scheduling-policy "
                         "priority")
     r.add_argument("--critical-first", action=argparse.BooleanOptionalAction, default=d0.critical_first,
-                   help="route a critical request even while every engine is saturated, to the engine with the "
-                        "fewest critical requests from this replica that have not started, while one has fewer than "
-                        "--saturation-queue (engines run critical requests first); off: critical requests queue "
-                        "like the others")
+                   help="route a critical request even while every engine is saturated, to the engine where it "
+                        "starts soonest (the critical and lower-class prefill pending there), while one has fewer "
+                        "than --saturation-queue critical requests from this replica that have not started (engines "
+                        "run critical requests first); off: critical requests queue like the others")
+    r.add_argument("--critical-lane", action=argparse.BooleanOptionalAction, default=d0.critical_lane,
+                   help="while critical requests come (one in the last minute), keep one engine (the first by URL, "
+                        "with two or more) free of lower-class requests, so a critical prompt finds an engine with "
+                        "no other prefill; give the fleet the engine it takes (InferenceFleet "
+                        "spec.autoscaling.criticalLane)")
     r.add_argument("--eject-after-failures", type=int, default=d0.eject_after_failures)
     r.add_argument("--eject-seconds", type=float, default=d0.eject_seconds)
     a = p.add_argument_group("access control")
@@ -219,7 +224,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tenant_metrics_top=args.tenant_metrics_top,
         eject_after_failures=args.eject_after_failures, eject_seconds=args.eject_seconds,
         max_body_bytes=args.max_body_bytes, forward_priority=args.forward_priority,
-        critical_first=args.critical_first, max_class=Priority(args.max_class),
+        critical_first=args.critical_first, critical_lane=args.critical_lane, max_class=Priority(args.max_class),
         api_keys_file=args.api_keys_file, api_keys_secret=args.api_keys_secret,
         rpm_per_key=args.rpm_per_key, tpm_per_key=args.tpm_per_key, engine_api_key=args.engine_api_key,
         enable_docs=args.enable_docs, data_plane=args.data_plane, picker_port=args.picker_port,

@@ -70,6 +70,9 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     forward_priority: bool = True  # set the body's `priority` (vLLM semantics) from the class
     critical_first: bool = True  # critical requests route past a saturated fleet while an engine has room for them
+    # one engine takes no lower-class requests while critical ones come (routing/pick.py critical_lane); the
+    # operator adds the engine it takes with the InferenceFleet's spec.autoscaling.criticalLane
+    critical_lane: bool = False
     # the highest class a request may claim when its key sets no max_class (every request without API keys)
     max_class: Priority = Priority.CRITICAL
     api_keys_file: str | None = None

@@ -181,7 +181,9 @@ class Gateway:
         self.metrics.queue_drain_rate.set(self.queue.drain_rate_per_s() or 0.0)
         if total == 0:
             return
-        slots = free_slots(self.pool.snapshots(), self.config.saturation)
+        snapshots = self.pool.snapshots()
+        reserved = self.router.reserved(snapshots)  # the queue's requests do not go to the critical lane
+        slots = free_slots([e for e in snapshots if e.url not in reserved], self.config.saturation)
         if slots == 0:
             return
         for _, owner in await self.queue.release(min(slots, total)):
@@ -259,7 +261,8 @@ class Gateway:
         try:
             await self._take_in_flight_slot(tenant, priority, settlement)
             snapshots = self.pool.snapshots()
-            has_capacity = bool(available(snapshots, self.config.saturation))
+            reserved = frozenset() if priority is Priority.CRITICAL else self.router.reserved(snapshots)
+            has_capacity = bool(available([e for e in snapshots if e.url not in reserved], self.config.saturation))
             critical_has_room = (priority is Priority.CRITICAL and self.config.critical_first
                                  and bool(critical_room(snapshots, self.config.saturation)))
             counts = self.queue.counts()

@@ -54,6 +54,7 @@ class AutoscalingPolicy:
     stable_window_s: float = autoscaling_default("stable_window_s")  # also the hold: no scale-down after a burst
     scale_to_zero_idle_s: float = autoscaling_default("scale_to_zero_idle_s")
     cold_start_s: float = autoscaling_default("cold_start_s")  # until measured (Observation.cold_start_s)
+    critical_lane: bool = autoscaling_default("critical_lane")  # the planner adds the gateways' critical lane
     slo: Mapping[Priority, SloClass] = field(default_factory=lambda: dict(DEFAULT_SLO_CLASSES))
     planner_utilization: float = UTILIZATION  # work per pod the SLO planner aims at (a full batch is 1)
     capacity: Capacity | None = None  # one pod's, as declared; what the pods measure of their own wins
@@ -276,7 +277,7 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, state: AutoscalerStat
         horizon = start_after
         waiting_in_pods = sum(p.waiting or 0 for p in with_metrics)
         planned = plan(now, obs.classes, capacity, waiting_in_pods, horizon, policy.slo, state.planner,
-                       policy.planner_utilization, obs.recent_classes)
+                       policy.planner_utilization, obs.recent_classes, policy.critical_lane)
         kv_cache_usage_avg = sum(kv_values) / len(kv_values) if kv_values else None
         queue = (sum(waiting) + obs.gateway_queued) / max(current, 1)
         interactive = sum(planned.inputs["workPods"].values())

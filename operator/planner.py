@@ -148,8 +148,11 @@ def demand_windows(stable_window_s: float) -> tuple[float, float]:
 
 def plan(now: float, classes: Mapping[Priority, ClassWindow], capacity: Capacity, waiting_requests: int,
          horizon_s: float, slo: Mapping[Priority, SloClass], memory: PlannerMemory,
-         utilization: float = UTILIZATION, recent: Mapping[Priority, ClassWindow] | None = None) -> Plan:
-    """The pods the fleet needs now for every class's objective over the horizon; records the demand sample."""
+         utilization: float = UTILIZATION, recent: Mapping[Priority, ClassWindow] | None = None,
+         critical_lane: bool = False) -> Plan:
+    """The pods the fleet needs now for every class's objective over the horizon; records the demand sample. With
+    `critical_lane`, one pod more while critical requests come: the gateways keep one engine free of lower-class
+    requests then (--critical-lane), so the others must carry the plan."""
     order = list(Priority)
     everyone = ClassWindow(60.0, *(sum(getattr(w, f) for w in classes.values()) for f in
                                    ("arrivals", "prompt_tokens", "completed", "output_tokens", "shed")))
@@ -187,10 +190,14 @@ def plan(now: float, classes: Mapping[Priority, ClassWindow], capacity: Capacity
     queued = sum(w.queued for w in classes.values()) + waiting_requests
     drain = queued * mean_request / max(horizon_s, 1.0)
     needed += drain
+    lane = critical_lane and classes.get(Priority.CRITICAL, ClassWindow(60.0)).arrivals > 0
+    needed += lane
     reason = (f"plan {needed:.2f} pods: work in pods now->over {horizon_s:.0f} s " + ", ".join(parts)
-              + (f"; {queued} waiting, {drain:.2f} pods to drain" if queued else ""))
+              + (f"; {queued} waiting, {drain:.2f} pods to drain" if queued else "")
+              + ("; 1 pod for the critical lane" if lane else ""))
     inputs = {"workPods": {p.value: round(w, 3) for p, w in zip(order, work, strict=True)},
               "waiting": queued, "horizonSeconds": round(horizon_s, 1), "plannedPods": round(needed, 2),
+              "criticalLanePods": int(lane),
               "forecast": forecasts_status({p.value: memory.forecasts[p] for p in order if p in memory.forecasts},
                                            forecast, horizon_s)}
     return Plan(needed, reason, inputs)

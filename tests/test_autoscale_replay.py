@@ -198,6 +198,35 @@ def test_a_warm_pool_serves_a_scale_up_after_the_wake_not_the_cold_start_and_is_
     assert dict(served[0])[65] == 2 and dict(served[0])[90] == 4  # the cold start, 30 s
 
 
+def test_a_critical_prompt_goes_to_the_busier_pod_rather_than_behind_a_long_standard_prefill() -> None:
+    """Pod 0 decodes three short answers; pod 1 decodes one and prefills a 2,000-token standard prompt (4.2 s). A
+    critical prompt of 0.9 s of prefill is in time only where no prompt is prefilling: pod 0, though it is the
+    busier by requests (engines run critical prompts first, but not before the prefill in progress)."""
+    from kvfleet.autoscale_replay.engine_model import EngineModel
+    from kvfleet.autoscale_replay.fleet import simulate
+    from kvfleet.autoscale_replay.replay import requests_of
+
+    class Two:
+        def desired(self, view) -> int:  # noqa: ANN001 - a FleetView
+            return 2
+
+    rows = [Row(0.1 * k, tokens, 256, Priority.STANDARD) for k, tokens in enumerate((10, 10, 10, 2000, 10))]
+    rows.append(Row(1.5, 432, 8, Priority.CRITICAL))  # 432 tokens at 480 tokens/s: 0.9 s
+    engine = EngineModel()
+    requests = requests_of(Trace.of(rows), engine)
+    simulate(requests, 10, Two(), engine, initial_replicas=2, period_s=1, tail_s=60)
+    critical = requests[-1]
+    assert critical.first_token is not None and critical.first_token - critical.arrival <= 1.0
+
+
+def test_the_critical_lane_is_planned_for_and_reported(tmp_path: Path) -> None:
+    plain = replay(tmp_path, "--workload", "spike", "--policy", "kvfleet")[1]["kvfleet"]
+    lane = replay(tmp_path, "--workload", "spike", "--policy", "kvfleet", "--critical-lane")[1]["kvfleet"]
+    assert lane["settings"]["kvfleet_critical_lane"] and not plain["settings"]["kvfleet_critical_lane"]
+    # one pod more while critical requests come, which is all the trace long
+    assert lane["replica_seconds"] - plain["replica_seconds"] >= 0.5 * spike(0).duration_s
+
+
 def test_the_replay_reports_the_warm_pool_and_checks_its_flags(tmp_path: Path, capsys) -> None:
     code, report = replay(tmp_path, "--workload", "spike", "--policy", "kvfleet", "--warm-pool", "1",
                           "--wake-seconds", "4")

@@ -48,6 +48,20 @@ def test_steady_demand_plans_the_work_at_the_target_utilization() -> None:
     assert "plan" in decision.reason
 
 
+def test_with_a_critical_lane_the_plan_has_one_pod_more_while_critical_requests_come() -> None:
+    """The gateways keep one engine for critical requests (--critical-lane): the others carry the plan."""
+    plain, lane = AutoscalingPolicy(max_replicas=64), AutoscalingPolicy(max_replicas=64, critical_lane=True)
+    for rates in (STEADY, {Priority.STANDARD: 2.5}):
+        states = AutoscalerState(), AutoscalerState()
+        for i in range(20):
+            without = recommend(observe(i * 15.0, 4, rates), plain, states[0])
+            with_lane = recommend(observe(i * 15.0, 4, rates), lane, states[1])
+        extra = 1 if rates.get(Priority.CRITICAL) else 0  # no critical request in the window: no lane to plan
+        assert with_lane.desired == without.desired + extra
+        assert with_lane.plan["criticalLanePods"] == extra
+        assert ("critical lane" in with_lane.reason) == bool(extra)
+
+
 def test_a_class_with_a_999_target_never_rests_on_one_pod() -> None:
     policy, state = AutoscalingPolicy(max_replicas=8), AutoscalerState()
     for i in range(30):

@@ -22,8 +22,20 @@ import pytest
 from kvfleet.fleet.load import EngineLoad
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.admission import Action, admit
+from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.engines.pool import EndpointPool
-from kvfleet.gateway.routing.pick import EndpointSnapshot, RoutingContext, SaturationPolicy, critical_room, pick
+from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
+from kvfleet.gateway.routing.pick import (
+    LANE_HOLD_S,
+    EndpointSnapshot,
+    RoutingContext,
+    SaturationPolicy,
+    critical_lane,
+    critical_room,
+    pick,
+)
+from kvfleet.gateway.routing.router import Router
 from kvfleet.gateway.routing.strategies import strategy_named
 from tests.conftest import one_sequence_engine_fixtures, start_engine_server, start_gateway, stop_process
 from tests.test_gateway_live_routing import waiting
@@ -34,10 +46,12 @@ POLICY = SaturationPolicy(max_queue=2)
 
 
 def snapshot(url: str, waiting_: int = 5, critical: int = 0, running: int = 1, age_s: float = 0.01,
-             healthy: bool = True, critical_tokens: int = 0, rate: float | None = None) -> EndpointSnapshot:
+             healthy: bool = True, critical_tokens: int = 0, rate: float | None = None, pending: int = 0,
+             sent_tokens: int = 0) -> EndpointSnapshot:
     return EndpointSnapshot(url, healthy, kv_cache_usage=0.5, num_waiting=waiting_, num_running=running,
                             metrics_age_s=age_s, max_num_seqs=1, critical_pending=critical,
-                            critical_pending_tokens=critical_tokens, prefill_rate=rate)
+                            critical_pending_tokens=critical_tokens, prefill_rate=rate,
+                            prefill_tokens_pending=pending, in_flight_tokens=sent_tokens)
 
 
 # ---- the decision, pure -------------------------------------------------------------------------------------------
@@ -94,6 +108,49 @@ def test_it_goes_where_it_starts_soonest_counting_the_critical_prompt_tokens_ahe
     cached = RoutingContext(prefix_matches={"a": 1.0}, num_tokens=800)  # a: 300 tokens ahead, 0 own; b: 0 + 800
     assert pick(strategy, [snapshot("a", critical=1, critical_tokens=300, rate=500.0),
                            snapshot("b", critical=0, rate=500.0)], cached, rng, critical=POLICY).url == "a"
+
+
+def test_it_goes_where_no_lower_class_prompt_is_prefilling_before_an_engine_with_a_short_critical_one() -> None:
+    """A critical prompt waits for the lower-class prefill in progress where it lands: 600 tokens of standard
+    prompts pending on a (reported, or sent by this gateway since the scrape) is longer than one 100-token critical
+    prompt on b; what b reports pending is that critical prompt, not counted twice."""
+    strategy, rng = strategy_named("kvfleet", policy=POLICY), random.Random(4)
+    b = snapshot("b", critical=1, critical_tokens=100, pending=100, rate=500.0)
+    for a in (snapshot("a", pending=600, rate=500.0), snapshot("a", sent_tokens=600, rate=500.0)):
+        assert pick(strategy, [a, b], RoutingContext(num_tokens=50), rng, critical=POLICY).url == "b"
+    idle = snapshot("a", pending=0, rate=500.0)
+    assert pick(strategy, [idle, b], RoutingContext(num_tokens=50), rng, critical=POLICY).url == "a"
+
+
+def test_the_critical_lane_is_the_first_fresh_engine_by_url_once_there_are_two() -> None:
+    fleet = [snapshot("http://c"), snapshot("http://b"), snapshot("http://a", healthy=False),
+             snapshot("http://0", age_s=1.0)]  # unhealthy and stale engines are never the lane
+    assert critical_lane(fleet, POLICY) == {"http://b"}
+    assert critical_lane(fleet[:1], POLICY) == frozenset()  # one engine: it serves every class
+
+
+def test_with_a_critical_lane_other_classes_keep_off_it_for_a_minute_after_a_critical_request() -> None:
+    pool = EndpointPool()
+    urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
+    pool.set_urls(urls)
+    for i, url in enumerate(urls):  # the lane (the first URL) is the least loaded: least-request would pick it
+        pool.record_scrape(url, EngineLoad(kv_cache_usage=0.1, num_running=i, num_waiting=0))
+    now = [1000.0]
+    router = Router(GatewayConfig(routing="least-request", critical_lane=True), pool, PrefixRouting(),
+                    GatewayMetrics(), random.Random(5), clock=lambda: now[0])
+    keys = PromptKeys([])
+    assert router.choose(keys) == urls[0]  # no critical request yet: no lane
+    assert router.choose(keys, critical=True) == urls[0]
+    assert router.reserved(pool.snapshots()) == {urls[0]}
+    assert router.choose(keys) == urls[1]
+    assert router.rank(keys, must=True, fallbacks=2) == urls[1:]  # a retry's fallbacks keep off it too
+    assert router.choose(keys, critical=True) == urls[0]  # critical requests still go there
+    now[0] += LANE_HOLD_S + 1
+    assert router.reserved(pool.snapshots()) == frozenset()
+    assert router.choose(keys) == urls[0]
+    off = Router(GatewayConfig(routing="least-request"), pool, PrefixRouting(), GatewayMetrics(), random.Random(5))
+    off.choose(keys, critical=True)
+    assert off.choose(keys) == urls[0]  # without --critical-lane, the default
 
 
 def test_the_count_is_taken_back_once_however_often_the_end_is_reported() -> None:

@@ -186,22 +186,46 @@ def typical_rate(endpoints: Sequence[EndpointSnapshot]) -> float | None:
     return rates[len(rates) // 2] if rates else None
 
 
+def lower_class_tokens(e: EndpointSnapshot) -> int:
+    """Prompt tokens of lower classes an engine has yet to compute, as far as the gateway knows: the pending prefill
+    it last reported and this gateway's dispatches since, less the critical prompts this gateway sent there that
+    have not started."""
+    return max(0, e.prefill_tokens_pending + e.in_flight_tokens - e.critical_pending_tokens)
+
+
 def soonest_critical_start(room: Sequence[EndpointSnapshot], request: RoutingContext,
                            rng: random.Random) -> EndpointSnapshot:
     """Where a critical request's first token comes soonest: engines run critical prompts first (and preempt lower
-    classes for them), so it waits only for the critical prompts this gateway sent there that have not started,
-    then computes its own tokens not cached there; each over the engine's prefill rate (the fleet's median where
-    it has not measured its own; tokens alone where none has). Ties (token counts unknown) go to the engine with
-    fewer critical requests pending, then fewer outstanding requests, then at random. Counting prompts rather than
-    their length sent a short critical prompt behind a long one while another engine was free of critical work (the
-    replay's held-out bursts: kvfleet/autoscale_replay)."""
+    classes for them), so it waits for the critical prompts this gateway sent there that have not started and for
+    the lower-class prefill in progress (a chunk of it, or a whole prompt where the engine does not chunk), then
+    computes its own tokens not cached there; each over the engine's prefill rate (the fleet's median where it
+    has not measured its own; tokens alone where none has). The gateway does not see which lower-class prompt is in
+    progress, so the lower-class prefill pending there (lower_class_tokens) stands for it: an engine with none
+    starts the request at once. Ties (token counts unknown) go to the engine with fewer critical requests pending,
+    then fewer outstanding requests, then at random. Counting critical prompts rather than their length, blind to
+    lower classes, sent critical prompts whose prefill nearly fills the objective behind another prompt while an
+    engine had none (the replay's held-out traces: kvfleet/autoscale_replay)."""
     fleet_rate = typical_rate(room) or 1.0
 
     def start_s(e: EndpointSnapshot) -> float:
         own = request.num_tokens * (1.0 - request.prefix_matches.get(e.url, 0.0))
-        return (e.critical_pending_tokens + own) / (e.prefill_rate or fleet_rate)
+        return (e.critical_pending_tokens + lower_class_tokens(e) + own) / (e.prefill_rate or fleet_rate)
 
     return min(room, key=lambda e: (start_s(e), e.critical_pending, outstanding(e), rng.random()))
+
+
+LANE_MIN_ENGINES = 2  # a critical lane only where another engine is left for the lower classes
+LANE_HOLD_S = 60.0  # the lane is kept this long after the last critical request
+
+
+def critical_lane(endpoints: Sequence[EndpointSnapshot], policy: SaturationPolicy) -> frozenset[str]:
+    """The engine kept free of lower-class work for critical requests (--critical-lane, while critical requests
+    come): of the healthy engines with fresh metrics, when there are at least LANE_MIN_ENGINES, the first by URL,
+    so that every gateway replica keeps the same one and it stays while the fleet scales. A critical prompt whose
+    prefill nearly fills its objective is in time only on an engine with no other prompt prefilling; this one has
+    none but critical ones."""
+    fresh = sorted(e.url for e in endpoints if e.healthy and not policy.is_stale(e))
+    return frozenset(fresh[:1]) if len(fresh) >= LANE_MIN_ENGINES else frozenset()
 
 
 def serving(endpoints: list[EndpointSnapshot], adapter: str | None) -> list[EndpointSnapshot]:

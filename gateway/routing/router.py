@@ -3,34 +3,50 @@ takes) and records where it went. The Python proxy and the Envoy picker both rou
 
 from __future__ import annotations
 
+import math
 import random
+import time
+from collections.abc import Callable, Sequence
 
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
-from kvfleet.gateway.routing.pick import RoutingContext, pick, serving
+from kvfleet.gateway.routing.pick import LANE_HOLD_S, EndpointSnapshot, RoutingContext, critical_lane, pick, serving
 from kvfleet.gateway.routing.strategies import strategy_named
 
 
 class Router:
     def __init__(self, config: GatewayConfig, pool: EndpointPool, prefix: PrefixRouting, metrics: GatewayMetrics,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.pool, self.prefix, self.metrics = config, pool, prefix, metrics
-        self.rng = rng or random.Random()
+        self.rng, self.clock = rng or random.Random(), clock
         self._turn = 0
+        self._critical_at = -math.inf  # when this gateway last routed a critical request
+
+    def reserved(self, snapshots: Sequence[EndpointSnapshot]) -> frozenset[str]:
+        """The engines lower-class requests may not use now: the critical lane (--critical-lane), kept while this
+        gateway has routed a critical request in the last LANE_HOLD_S."""
+        if not self.config.critical_lane or self.clock() - self._critical_at > LANE_HOLD_S:
+            return frozenset()
+        return critical_lane(snapshots, self.config.saturation)
 
     def rank(self, hashes: PromptKeys, exclude: frozenset[str] = frozenset(), must: bool = False,
              critical: bool = False, fallbacks: int = 0) -> list[str]:
         """The engine for a request, then up to `fallbacks` next best for a retry elsewhere (picked as an admitted
         request is: a saturated engine rather than none); empty when no engine may serve it. `must`: the request
         was admitted, so a saturated engine is picked rather than none; `critical`: a critical request, which
-        --critical-first routes past saturation. The choice is counted in kvfleet_gateway_routing_decisions."""
+        --critical-first routes past saturation; a request of another class does not go to the critical lane
+        (reserved). The choice is counted in kvfleet_gateway_routing_decisions."""
         self._turn += 1
         c = self.config
         strategy = strategy_named(c.routing, c.weights, c.saturation)
         matches = self.prefix.matches(hashes)
         snapshots = serving(self.pool.snapshots(), hashes.adapter)
+        if critical:
+            self._critical_at = self.clock()
+        else:
+            exclude |= self.reserved(snapshots)
         request = RoutingContext(matches, exclude, must, turn=self._turn, num_tokens=hashes.est_tokens,
                                  adapter=hashes.adapter)
         chosen = pick(strategy, snapshots, request, self.rng, c.saturation if critical and c.critical_first else None)

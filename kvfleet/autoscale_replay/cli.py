@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                         + ",".join(f"{k.value}={v:g}" for k, v in DEFAULT_ATTAINMENT.items()) + ")")
     p.add_argument("--max-replicas", type=int, default=Settings.max_replicas,
                    help="for every policy (default: %(default)s)")
+    p.add_argument("--critical-lane", action="store_true",
+                   help="kvfleet's critical lane (the gateway's --critical-lane, spec.autoscaling.criticalLane): one "
+                        "pod takes no lower-class requests while critical ones come, and the planner adds it")
     p.add_argument("--warm-pool", type=int, default=Settings.warm_pool,
                    help="kvfleet's warm pool (spec.autoscaling.warmPool.replicas): pods kept asleep with the model "
                         "loaded, woken first on a scale-up; counted apart as asleep_replica_seconds (default: none)")
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                          cold_start_s=args.cold_start, prefill_chunk_tokens=args.prefill_chunk_tokens)
     slo = Slo(parse_classes(args.slo, "--slo", DEFAULT_TTFT_S),
               parse_classes(args.attainment, "--attainment", DEFAULT_ATTAINMENT))
-    settings = Settings(engine, slo, args.max_replicas, args.warm_pool, args.wake_seconds)
+    settings = Settings(engine, slo, args.max_replicas, args.warm_pool, args.wake_seconds, args.critical_lane)
     trace, source = load_trace(args)
     results = replay(trace, args.policy or list(POLICY_NAMES), settings)
     print(format_table(results, source))

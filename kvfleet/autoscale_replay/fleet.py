@@ -1,16 +1,17 @@
 """The simulated fleet and its loop: engine pods behind the gateway, and simulate(), which runs requests second by
 second under an autoscaling policy.
 
-Pods are ready after a cold start and drain when scaled down (draining and starting pods count in
-replica-seconds). With a warm pool of N, N more pods are kept asleep (loaded, the KV cache released: engine sleep
-mode): a scale-up wakes them first, ready after wake_s, and new pods refill the pool; a drained pod goes to sleep
-while the pool is short. Asleep pods are counted apart (Run.asleep).
+Pods are ready after a cold start and drain when scaled down (draining and starting pods count in replica-seconds).
+With a warm pool of N, N more pods are kept asleep (loaded, the KV cache released: engine sleep mode): a scale-up
+wakes them first, ready after wake_s, and new pods refill the pool; a drained pod goes to sleep while the pool is
+short. Asleep pods are counted apart (Run.asleep).
 
-The gateway routes to the least-loaded ready pod, and a critical request where it starts soonest (the prefill of
-the critical requests ahead of it there); while every pod is saturated (waiting >= 5 or KV >= 0.8) or none is
-ready it queues requests, ordered as its fleet queue orders them (class first, with aging), and sheds sheddable
-arrivals (429), as its admission verdict does; with caps, a class whose queue is full is shed too.
-TTFT = gateway wait + pod wait + prefill.
+The gateway routes to the least-loaded ready pod, and a critical request where it starts soonest (the prefill of the
+critical requests ahead of it there and of the lower-class prompts pending there); with a critical lane, while
+critical requests come, the first ready pod takes no lower-class request; while every pod is saturated (waiting >= 5
+or KV >= 0.8) or none is ready it queues requests, ordered as its fleet queue orders them (class first, with aging),
+and sheds sheddable arrivals (429), as its admission verdict does; with caps, a class whose queue is full is shed
+too. TTFT = gateway wait + pod wait + prefill.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvfleet.autoscale_replay.engine_model import EngineModel, Pod, Request
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.slo import ClassWindow
 from kvfleet.gateway.config import GatewayConfig
+from kvfleet.gateway.routing.pick import LANE_HOLD_S, LANE_MIN_ENGINES
 from kvfleet.operator.autoscaler import PodLoad
 from kvfleet.operator.batch_demand import BatchBacklog
 from kvfleet.operator.fleet_fields import autoscaling_default
@@ -84,8 +86,9 @@ class Fleet:
     def __init__(self, engine: EngineModel, replicas: int, saturation_waiting: int = 5,
                  saturation_kv: float = 0.8, queue_caps: dict[Priority, int] | None = None,
                  critical_first: bool = True, batch: BatchRunner | None = None, warm_pool: int = 0,
-                 wake_s: float = 5.0) -> None:
+                 wake_s: float = 5.0, critical_lane: bool = False) -> None:
         self.engine, self.saturation_waiting, self.saturation_kv = engine, saturation_waiting, saturation_kv
+        self.critical_lane = critical_lane
         self.warm_pool, self.wake_s = warm_pool, wake_s
         self.batch = batch
         self.critical_first = critical_first
@@ -168,20 +171,24 @@ class Fleet:
         self.class_seconds.append(counts)
         scraped = [(p, p.metrics(now)) for p in self.ready_pods(now)]
         sent: list[list[tuple[float, Request]]] = [[] for _ in scraped]
-        heap = [(m.running + m.waiting, k) for k, (_, m) in enumerate(scraped)]
+        lane = self._lane(len(scraped))
+        heap = [(m.running + m.waiting, k) for k, (_, m) in enumerate(scraped) if k not in lane]
         heapq.heapify(heap)
         pending = [(now, r) for _, _, r in sorted(self.queue)] + [(r.arrival, r) for r in arrivals]
         self.queue.clear()
         self.queued_by_class = dict.fromkeys(Priority, 0)
         critical = [self._critical_outstanding(pod, now) for pod, _ in scraped]
         ahead = [self._critical_start_s(pod, now) for pod, _ in scraped]
+        lower = [self._lower_class_s(pod, now) for pod, _ in scraped]
         for at, request in pending:
             if self.critical_first and request.priority is Priority.CRITICAL and critical:
                 # among the pods with room for it (fewer critical requests not begun than the saturation queue),
-                # where it would start soonest: the engines run critical prompts first, so only those count
+                # where it would start soonest: the critical prompts there and the lower-class prefill pending
+                # there (routing.pick.soonest_critical_start)
                 room = [i for i in range(len(critical)) if critical[i] < self.saturation_waiting]
                 if room:
-                    k = min(room, key=lambda i: (ahead[i], critical[i], scraped[i][1].running + len(sent[i])))
+                    k = min(room, key=lambda i: (ahead[i] + lower[i], critical[i],
+                                                 scraped[i][1].running + len(sent[i])))
                     sent[k].append((at, request))
                     critical[k] += 1
                     ahead[k] += request.prefill_s
@@ -193,6 +200,7 @@ class Fleet:
                 continue
             load, k = heapq.heappop(heap)
             sent[k].append((at, request))
+            lower[k] += request.prefill_s
             heapq.heappush(heap, (load + 1, k))
         if self.batch is not None:
             self._send_batch(now, scraped, sent)
@@ -206,12 +214,22 @@ class Fleet:
         self.pods = [p for p in self.pods if not (p.draining and p.load == 0)]
         self.concurrency.append(sum(p.load for p in self.pods) + len(self.queue))
 
+    def _lane(self, ready: int) -> set[int]:
+        """The critical lane among the ready pods (routing.pick.critical_lane): the first, while a critical request
+        came in the last LANE_HOLD_S and LANE_MIN_ENGINES are ready; the gateway takes the first by URL, the replay
+        the oldest."""
+        recent = self.class_seconds[-int(LANE_HOLD_S):]
+        if self.critical_lane and ready >= LANE_MIN_ENGINES and any(s[Priority.CRITICAL][0] for s in recent):
+            return {0}
+        return set()
+
     def _send_batch(self, now: float, scraped: list[tuple[Pod, PodLoad]], sent: list[list[tuple[float, Request]]]
                     ) -> None:
         """The batch runner's turn, after the interactive arrivals: what it may send, sent at the second's start."""
         assert self.batch is not None
         self.batch.settle(now)
-        pods = [(pod, m, len(sent[k]), self._saturated(pod, m, len(sent[k]), now))
+        lane = self._lane(len(scraped))
+        pods = [(pod, m, len(sent[k]), k in lane or self._saturated(pod, m, len(sent[k]), now))
                 for k, (pod, m) in enumerate(scraped)]
         for k, requests in self.batch.dispatch(now, pods, len(self.queue)).items():
             sent[k] = sorted(sent[k] + [(now, r) for r in requests], key=lambda x: x[0])
@@ -230,6 +248,13 @@ class Fleet:
                    and (r.first_token is None or r.first_token > now)}
         pending.update((id(r), r) for _, _, r in pod.waiting if r.priority is Priority.CRITICAL)
         return sum(r.prefill_s for r in pending.values())
+
+    @staticmethod
+    def _lower_class_s(pod: Pod, now: float) -> float:
+        """What the gateway counts of lower classes on a pod (routing.pick.lower_class_tokens), in seconds: the
+        prefill of its prompts below critical still to compute."""
+        return sum(min(seconds, start + seconds - now) for start, seconds, r in pod.prefills
+                   if r.priority is not Priority.CRITICAL and start + seconds > now)
 
     def _hold(self, request: Request) -> None:
         """Queue the request, or shed it: sheddable traffic never waits, and a full class takes no more."""
@@ -255,12 +280,13 @@ class Fleet:
 def simulate(requests: list[Request], duration_s: int, policy: Policy, engine: EngineModel,
              initial_replicas: int = 2, period_s: int = 15, tail_s: int = 1800,
              queue_caps: dict[Priority, int] | None = None, jobs: tuple[BatchJob, ...] = (), warm_pool: int = 0,
-             wake_s: float = 5.0) -> Run:
+             wake_s: float = 5.0, critical_lane: bool = False) -> Run:
     """Run the requests (sorted by arrival) and the batch jobs, deciding every period_s; after the trace, run on
     with no arrivals (for at most tail_s) until every request has its first token. Replicas are counted over the
     trace only."""
     runner = BatchRunner(jobs, engine) if jobs else None
-    fleet = Fleet(engine, initial_replicas, queue_caps=queue_caps, batch=runner, warm_pool=warm_pool, wake_s=wake_s)
+    fleet = Fleet(engine, initial_replicas, queue_caps=queue_caps, batch=runner, warm_pool=warm_pool, wake_s=wake_s,
+                  critical_lane=critical_lane)
     replicas, pods, asleep, next_arrival, now = [], [], [], 0, 0
     while now < duration_s or (now < duration_s + tail_s and _unstarted(fleet)):
         if now % period_s == 0:

@@ -33,6 +33,9 @@ class Settings:
     # other policies have none (KEDA's and HPA's recipes know no sleeping pods; the oracle plans cold pods)
     warm_pool: int = 0
     wake_s: float = 5.0
+    # kvfleet's critical lane (the gateway's --critical-lane and spec.autoscaling.criticalLane): one pod kept free of
+    # lower-class requests while critical ones come, and planned for
+    critical_lane: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_replicas <= 1000:
@@ -47,14 +50,15 @@ class Settings:
                 "slo_ttft_s": {p.value: v for p, v in self.slo.ttft_s.items()},
                 "attainment_target": {p.value: v for p, v in self.slo.attainment.items()},
                 "decision_period_s": PERIOD_S, "initial_replicas": INITIAL_REPLICAS,
-                "kvfleet_warm_pool": self.warm_pool, "wake_s": self.wake_s}
+                "kvfleet_warm_pool": self.warm_pool, "wake_s": self.wake_s, "kvfleet_critical_lane": self.critical_lane}
 
 
 def reactive(name: str, settings: Settings) -> tuple[Callable[[], Policy], int]:
     """A fresh policy of that name and how often it decides."""
     n, engine = settings.max_replicas, settings.engine
     if name == "kvfleet":
-        return lambda: KvfleetPolicy(AutoscalingPolicy(min_replicas=1, max_replicas=n)), PERIOD_S
+        return lambda: KvfleetPolicy(AutoscalingPolicy(min_replicas=1, max_replicas=n,
+                                                       critical_lane=settings.critical_lane)), PERIOD_S
     if name == "keda-queue":
         return lambda: keda_queue(n), PERIOD_S
     if name == "hpa-kv":
@@ -77,10 +81,11 @@ def run_policy(trace: Trace, name: str, settings: Settings) -> dict:
     engine = settings.engine
 
     warm = settings.warm_pool if name == "kvfleet" else 0
+    lane = settings.critical_lane and name == "kvfleet"
 
     def sim(policy: Policy, period_s: int) -> Run:
         return simulate(requests_of(trace, engine), trace.duration_s, policy, engine, INITIAL_REPLICAS, period_s,
-                        TAIL_S, DEFAULT_CAPS, trace.jobs, warm, settings.wake_s)
+                        TAIL_S, DEFAULT_CAPS, trace.jobs, warm, settings.wake_s, lane)
 
     extra: dict = {}
     period = 1
