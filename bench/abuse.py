@@ -128,6 +128,11 @@ def engines_healthy(url: str) -> str:
         return "gateway down"
 
 
+# After an attack, before the health check: four of the gateway's scrapes (75 ms apart), so an engine the attack
+# crashed is unhealthy by then (an engine that hangs is caught by the victims, whose answers would not come).
+SETTLE_S = 0.3
+
+
 def run_one(attack: Attack, target: Target, pids: list[int], alone: list[Victim]) -> Row:
     before = fleet_rss_mib(pids)
     with ThreadPoolExecutor(1) as pool:
@@ -140,7 +145,7 @@ def run_one(attack: Attack, target: Target, pids: list[int], alone: list[Victim]
         got = victims.result()
     if attack.aftermath is not None:
         outcome.note = outcome.note or attack.aftermath(target)
-    time.sleep(1.0)
+    time.sleep(SETTLE_S)
     health = engines_healthy(target.gateway_url)
     harmed = harms(got, alone)
     ok_victims = not harmed

@@ -75,7 +75,9 @@ def chart(report: dict, path: Path) -> None:
                xlabel="replica-seconds ÷ the oracle's on the same trace", ylabel="within the TTFT objective (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"held-out traces ({len(report['traces'])}): bursts, a flash crowd, a noisy day; cold start 30 s")
+    lane = " (kvfleet with its critical lane)" if "--critical-lane" in report["command"] else ""
+    fig.suptitle(f"held-out traces ({len(report['traces'])}): bursts, a flash crowd, a noisy day, Azure's hour; "
+                 f"cold start 30 s{lane}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -134,8 +134,9 @@ def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_i
     # twice what the engines take: on a busy machine the burst's senders start over a second or more, and answers
     # that end meanwhile free slots, so fewer than total - 2 * per_engine may wait; an engine's worth still must
     total = 4 * per_engine
+    # 32 tokens: each answer holds its slot for seconds, longer than the burst takes to send
     body = {"model": SERVED, "messages": [{"role": "user", "content": "Write a long story about a fleet."}],
-            "max_tokens": 48, "ignore_eos": True}
+            "max_tokens": 32, "ignore_eos": True}
     queued_before = metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count")
     with concurrent.futures.ThreadPoolExecutor(total) as pool:
         # they may wait longer than the gateway's default 30 s where vLLM is slow (an AVX2-only CPU emulates its
@@ -143,7 +144,7 @@ def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_i
         answers = list(pool.map(lambda _: httpx.post(f"{vllm.url}/v1/chat/completions", json=body, timeout=300,
                                                      headers={headers.MAX_QUEUE_MS: "240000"}), range(total)))
     assert [a.status_code for a in answers] == [200] * total, [a.text[:200] for a in answers if a.status_code != 200]
-    assert all(a.json()["usage"]["completion_tokens"] == 48 for a in answers)
+    assert all(a.json()["usage"]["completion_tokens"] == 32 for a in answers)
     assert metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count") - queued_before >= per_engine
 
 
