@@ -428,6 +428,8 @@ class Gateway:
         body = {"status": "ready", "engines": len(snaps), "healthy": sum(e.healthy for e in snaps),
                 "available": len(available(snaps, self.config.saturation)), "queue": self.queue.backend,
                 "queued": self.queue.total(), "critical_pending": sum(e.critical_pending for e in snaps)}
+        if self.config.critical_lane:
+            body["critical_lane"] = sorted(self.router.reserved(snaps))  # empty while no critical request came
         if self.queue.redis_error:
             body["redis"] = self.queue.redis_error
         if self.picker_serving is False:

@@ -133,7 +133,8 @@ def stop_process(proc, timeout: float = 30.0) -> None:
 
 @pytest.fixture(scope="session")
 def batch_engine(tiny_model_dir: Path):
-    """A tiny-model engine of 4 sequences the Batch API's test modules share (test_batch_*.py): it only answers."""
+    """A tiny-model engine of 4 sequences that modules share where it only answers (test_batch_*.py, the critical
+    lane's test)."""
     proc, url = start_engine_server(tiny_model_dir, "--max-num-seqs", "4", "--kv-cache-memory", "16MiB")
     yield url
     stop_process(proc)

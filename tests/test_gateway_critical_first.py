@@ -319,3 +319,34 @@ def test_a_critical_request_on_an_engine_that_dies_is_no_longer_counted(tiny_mod
     finally:
         with contextlib.suppress(Exception):
             stop_process(proc)
+
+
+def routed(url: str) -> dict[str, float]:
+    """The gateway's kvfleet_gateway_routed count per engine URL."""
+    counts = {}
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("kvfleet_gateway_routed_total{"):
+            counts[line.split('endpoint="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_with_the_critical_lane_standard_requests_keep_off_the_lane_after_a_critical_one(
+        batch_engine, redis_server_module) -> None:
+    """One real engine behind two URLs, as two engines to the gateway: once a critical request came, /ready names the
+    lane (the first URL) and every standard request goes to the other, where least-request would split them."""
+    port = batch_engine.rsplit(":", 1)[1]
+    lane, other = f"http://127.0.0.1:{port}", f"http://localhost:{port}"
+    model_ = httpx.get(f"{batch_engine}/v1/models", timeout=5).json()["data"][0]["id"]
+    with gateway(lane, redis_server_module.url, "lane", "--engine", other, "--critical-lane", "--routing",
+                 "least-request", "--saturation-queue", "5") as url:
+        until(lambda: ready(url)["healthy"] == 2, "both URLs healthy")
+        assert ready(url)["critical_lane"] == []  # no critical request yet
+        body = {"model": model_, "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30,
+                          headers={"x-kvfleet-priority": "critical"}).status_code == 200
+        assert ready(url)["critical_lane"] == [lane]
+        before = routed(url)
+        for _ in range(8):
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        after = routed(url)
+        assert after.get(other, 0) - before.get(other, 0) == 8 and after.get(lane, 0) == before.get(lane, 0)
