@@ -69,7 +69,7 @@ AUTOSCALING_FIELDS = (
     FleetField("coldStartSeconds", "cold_start_s", "integer", 30, 0, 3600,
                "pod creation to ready, assumed until the operator has measured the fleet's own", reads_float=True),
     FleetField("criticalLane", "critical_lane", "boolean", False,
-               "plan one engine more while critical requests come, for the gateways' critical lane (their "
+               description="plan one engine more while critical requests come, for the gateways' critical lane (their "
                "--critical-lane: that engine takes no lower-class requests)"),
 )
 

@@ -118,7 +118,10 @@ def _float(section: dict, key: str, where: str, default: float, low: float, high
 def _read(section: dict, f: FleetField, where: str) -> Any:
     """A declared field of `section`, its default when absent; InvalidSpec when out of its bounds."""
     if f.kind == "boolean":
-        return bool(section.get(f.name, f.default))
+        value = section.get(f.name, f.default)
+        if not isinstance(value, bool):  # "false" is a non-empty string: bool() would read it as true
+            raise InvalidSpec(f"{where}.{f.name} must be true or false, not {value!r}")
+        return value
     read = _float if f.reads_float or f.kind == "number" else _int
     return read(section, f.name, where, f.default, f.minimum, f.maximum)
 

@@ -106,7 +106,8 @@ def _bounded_fields() -> list[tuple[str, str, float, float, bool]]:
     """(section, field, minimum, maximum, integer) for each bounded field of the CRD's spec."""
     out = [("engine", name, s["minimum"], s["maximum"], s["type"] == "integer")
            for name, s in SPEC_SCHEMA["properties"]["engine"]["properties"].items() if "minimum" in s]
-    out += [("autoscaling", f.name, f.minimum, f.maximum, f.kind == "integer") for f in AUTOSCALING_FIELDS]
+    out += [("autoscaling", f.name, f.minimum, f.maximum, f.kind == "integer") for f in AUTOSCALING_FIELDS
+            if f.minimum is not None]  # booleans have no bounds
     out += [("", f.name, f.minimum, f.maximum, True) for f in SPEC_FIELDS]
     return out
 
@@ -225,3 +226,13 @@ def test_the_charts_gateway_values_are_the_gateways_defaults_and_choices() -> No
     assert values["routing"] == defaults.routing
     assert schema["routing"]["enum"] == list(STRATEGIES)
     assert values["port"] == build_parser().parse_args(["gateway"]).port
+
+
+@pytest.mark.parametrize("name", ["enabled", "criticalLane"])
+@pytest.mark.parametrize("value", ["false", "yes", 1, 0, None, [True]])
+def test_a_switch_is_true_or_false_and_nothing_else(name: str, value: object) -> None:
+    """bool() of the string "false" is True: a switch written as a string or a number is refused, not guessed."""
+    with pytest.raises(InvalidSpec, match=f"spec.autoscaling.{name} must be true or false"):
+        parse_fleet("f", "ns", {**MINIMAL, "autoscaling": {name: value}})
+    fleet = parse_fleet("f", "ns", {**MINIMAL, "autoscaling": {name: True}})
+    assert (fleet.autoscaling_enabled if name == "enabled" else fleet.autoscaling.critical_lane) is True
