@@ -92,6 +92,20 @@ class BlockManager:
             found.append(block_id)
         return found
 
+    def blocks_filled_by(self, seq: Sequence, num_new_tokens: int) -> list[bytes]:
+        """The hashes of the prompt blocks that seq's next num_new_tokens complete (none without prefix caching)."""
+        if not self.enable_prefix_caching or num_new_tokens <= 1:
+            return []
+        first = seq.num_computed_tokens // self.block_size
+        last = min((seq.num_computed_tokens + num_new_tokens) // self.block_size, len(seq.block_hashes))
+        return seq.block_hashes[first:last]
+
+    def next_uncached_block(self, seq: Sequence, cached_prefix: list[int]) -> bytes | None:
+        """The hash of the first full prompt block of a waiting seq after its cached prefix (find_cached_prefix),
+        or None where its prompt has no such block."""
+        index = len(cached_prefix)
+        return seq.block_hashes[index] if self.enable_prefix_caching and index < len(seq.block_hashes) else None
+
     def cached_prefix_tokens(self, cached_prefix: list[int]) -> int:
         """How many leading tokens of the prompt the cached prefix blocks (from find_cached_prefix) hold."""
         return len(cached_prefix) * self.block_size

@@ -15,6 +15,11 @@ with its batch). Between interactive prefills they decode as usual.
 With LoRA adapters, the running batch holds at most max_loras distinct adapters (each needs a slot of weights).
 A waiting request whose adapter would be one too many is passed by later requests, as in vLLM, but by at most one
 batch's worth (max_num_seqs) of them: then nothing passes it, the running adapters drain, and it gets the slot.
+
+Prompts that share a prefix arriving together (SGLang's in-batch prefix caching check): a waiting request whose next
+uncached block another sequence computes in this step waits for the next step, where that block is a prefix-cache
+hit, instead of computing its own copy beside it. The budget it would have spent goes to others. Each such wait
+follows another sequence's progress on the request's own prefix, so it waits at most once per block of its prompt.
 """
 
 from __future__ import annotations
@@ -182,6 +187,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, background: float = float("inf")) -> None:
         adapters = self.running_adapters()
         held_back: list[tuple[tuple[int, int], Sequence]] = []  # over the adapter cap: back in line afterwards
+        deferred: list[tuple[tuple[int, int], Sequence]] = []  # their next block is computed this step: next step
+        filled = {h for seq, n in out.scheduled for h in self.block_manager.blocks_filled_by(seq, n)}
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
             if seq.priority >= background:  # by priority: the rest are background too
@@ -194,6 +201,9 @@ class Scheduler:
                 held_back.append(heapq.heappop(self._waiting))
                 continue
             cached, num_new = self._first_chunk(seq, budget)
+            if filled and self.block_manager.next_uncached_block(seq, cached) in filled:
+                deferred.append(heapq.heappop(self._waiting))
+                continue
             num_cached_tokens = self.block_manager.cached_prefix_tokens(cached)
             if not self.block_manager.allocate(seq, num_new, cached):
                 break
@@ -210,7 +220,8 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
-        for item in held_back:
+            filled.update(self.block_manager.blocks_filled_by(seq, num_new))
+        for item in held_back + deferred:
             heapq.heappush(self._waiting, item)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -348,6 +348,44 @@ def test_shared_system_prompt_is_computed_once(system_len: int, shared_tokens: i
     assert engine.bm.prefix_hits == shared_tokens
 
 
+def test_prompts_sharing_a_prefix_that_arrive_together_compute_it_once() -> None:
+    # vLLM's prefix_repetition shape in small: both arrive before the first step, the shared blocks are cached by
+    # neither. The second waits one step rather than compute its own copy, then hits all of them.
+    engine = make_engine(num_blocks=32, block_size=4, max_num_batched_tokens=64)
+    system = list(range(100, 112))  # three blocks
+    first, second = request("first", system + [1, 2, 3], max_tokens=3), request("second", system + [7, 8], max_tokens=3)
+    third = request("third", [5] * 9, max_tokens=3)  # shares nothing: not held back
+    for seq in (first, second, third):
+        engine.submit(seq)
+    plan = engine.step()
+    assert [s.request_id for s, _ in plan.scheduled] == ["first", "third"]
+    plan = engine.step()
+    assert {s.request_id: n for s, n in plan.scheduled}["second"] == 2
+    assert second.num_cached_tokens == 12 and second.block_table[:3] == first.block_table[:3]
+    engine.drain()
+    assert engine.bm.prefix_hits == 12
+    for seq in (first, second, third):
+        assert seq.output_token_ids == run_alone(seq, 32, 4)
+
+
+def test_a_prompt_waits_for_a_shared_prefix_only_while_another_computes_it() -> None:
+    # a 40-token prompt in 8-token chunks: the request behind it that shares its first 12 tokens waits only while
+    # those blocks are being computed, then starts from them in the step after.
+    bm = BlockManager(64, 4)
+    engine = EngineSim(Scheduler(bm, 8, 64, 16, long_prefill_token_threshold=8))
+    shared = list(range(200, 212))
+    long = request("long", shared + [1] * 28, max_tokens=2)
+    short = request("short", shared + [2, 3], max_tokens=2)
+    engine.submit(long)
+    engine.submit(short)
+    assert [s.request_id for s, _ in engine.step().scheduled] == ["long"]  # blocks 0-1
+    assert [s.request_id for s, _ in engine.step().scheduled] == ["long"]  # blocks 2-3: block 2 is short's next
+    plan = engine.step()
+    assert {s.request_id for s, _ in plan.scheduled} == {"long", "short"} and short.num_cached_tokens == 12
+    engine.drain()
+    assert short.output_token_ids == run_alone(short, 64, 4)
+
+
 def test_identical_block_aligned_prompt_recomputes_only_its_last_block() -> None:
     engine = make_engine(num_blocks=16, block_size=4)
     prompt = list(range(8))
