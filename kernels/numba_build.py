@@ -13,7 +13,10 @@ import logging
 import os
 
 import numba
+from llvmlite import ir
+from numba import types
 from numba.core import config
+from numba.extending import intrinsic
 
 log = logging.getLogger(__name__)
 
@@ -52,3 +55,25 @@ def compile_kernel(function, **options):
     except RuntimeError as err:  # no writable place for numba's cache (a read-only image): compile at every start
         log.info("numba cannot cache %s (%s); it compiles at start instead", function.__name__, err)
         return numba.njit(**options)(function)
+
+
+CACHE_LINE = 64  # bytes
+
+
+@intrinsic
+def prefetch(typingctx, array, index):  # noqa: ANN001, ARG001 - numba's intrinsic signature
+    """prefetch(array, i) in a kernel: ask the CPU to bring the cache line holding array.flat[i] into every level of
+    its cache (LLVM's llvm.prefetch: a read, high locality); no effect on results. array is C-contiguous."""
+    signature = types.void(array, index)
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        address = builder.gep(data, [args[1]])
+        i32 = ir.IntType(32)
+        function_type = ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32])
+        function = builder.module.globals.get("llvm.prefetch.p0") or ir.Function(builder.module, function_type,
+                                                                                    name="llvm.prefetch.p0")
+        builder.call(function, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return signature, codegen
