@@ -1,7 +1,8 @@
 """The CPU decode attention kernel alone (kernels/cpu_decode_attention.py) at SmolLM2-135M's shapes: 9 query heads,
-3 KV heads, head size 64, 16-token blocks, a bfloat16 (or --dtype float32) cache; 64 sequences of 200-272 tokens; 30 calls (one per layer)
-per round. Prints the median and best round. To compare two versions, run it in each checkout alternately (the
-machine drifts), or with NUMBA_CPU_FEATURES set to the host's own features for 256-bit vectors:
+3 KV heads, head size 64, 16-token blocks, a bfloat16 (or --dtype float32) cache; 64 sequences of 200-272 tokens;
+30 calls (one per layer) per round. Prints the median and best round. To compare two versions, run it in each
+checkout alternately (the machine drifts), or with NUMBA_CPU_FEATURES set to the host's own features for 256-bit
+vectors:
 
     python -m bench.cpu_decode_kernel --rounds 8
     python -m bench.cpu_decode_kernel --dtype float32 --scattered   # blocks anywhere in the pool, as after reuse

@@ -22,7 +22,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in flag_fields():
         meta = declared(f)
         # Read when the parser is built, as before: a token in the environment is the flag's default.
-        default = (os.environ.get(meta.env) or None) if meta.env else default_of(f)
+        default = (os.environ.get(meta.env) or default_of(f)) if meta.env else default_of(f)
         kwargs: dict = {"default": default, "help": meta.help}
         if value_type(f) is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

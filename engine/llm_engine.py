@@ -21,7 +21,7 @@ from kvfleet.engine.lora_layers import LoraSlots
 from kvfleet.engine.lora_registry import LoraRegistry, LoraSpec
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.model_files import resolve_model
-from kvfleet.engine.model_loader import load_model, pick_device, pick_dtype
+from kvfleet.engine.model_loader import load_model, pick_device, resolve_dtype
 from kvfleet.engine.model_runner import ModelRunner
 from kvfleet.engine.output_processor import RequestState
 from kvfleet.engine.outputs import RequestOutput
@@ -83,7 +83,8 @@ class LLMEngine:
         self.config = config
         torch.manual_seed(config.seed)
         self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device)
+        self.dtype, why = resolve_dtype(config.dtype, self.device)
+        log.info("dtype: %s (%s)", str(self.dtype).removeprefix("torch."), why)
         self.attention_backend = select_attention_backend(config.attention_backend, self.device)
         self.model_dir = resolve_model(config.model)
         self.model_name = config.model

@@ -18,6 +18,7 @@ from kvfleet.engine.attention_select import build_attention_backend
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.models.llama import LlamaForCausalLM
 from kvfleet.engine.packed_linear import can_pack, pack_linears
+from kvfleet.fleet.cpu_features import auto_cpu_dtype, host_cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,21 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU (fast GEMMs there), bfloat16 on GPUs that have it, else float16."""
+    return resolve_dtype(name, device)[0]
+
+
+def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype to run in and why (the start-up log says both). auto: on a CPU, bfloat16 where it has bfloat16
+    instructions, else float32 (kvfleet/fleet/cpu_features.py); on a GPU, bfloat16 where it has it, else float16."""
     if name != "auto":
-        return _DTYPES[name]
+        return _DTYPES[name], "asked for"
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "auto: this GPU runs bfloat16"
+        return torch.float16, "auto: this GPU has no bfloat16"
+    onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    chosen, why = auto_cpu_dtype(host_cpu_flags(), onednn_bf16)
+    return _DTYPES[chosen], f"auto: {why}"
 
 
 def iter_safetensors(model_dir: Path, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

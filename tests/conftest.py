@@ -12,7 +12,13 @@ import pytest
 os.environ["TRITON_INTERPRET"] = "1"
 
 from kvfleet.engine.model_files import DEFAULT_MODEL, resolve_model  # noqa: E402
+from kvfleet.fleet.engine_settings import DTYPE_ENV  # noqa: E402
 from kvfleet.fleet.ports import free_port, free_ports  # noqa: E402,F401 (free_port: the tests import it from here)
+
+# Every engine the suite starts runs float32 unless its test asks for a dtype: `--dtype auto` chooses bfloat16 on a
+# CPU with bfloat16 instructions, and the tests that compare answers with transformers' float32 ones (or with each
+# other across batch shapes) are written for float32. The engines' processes read it as --dtype's default.
+os.environ[DTYPE_ENV] = "float32"
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +40,8 @@ def make_engine(model_dir: Path, **overrides: object):
     from kvfleet.engine.config import EngineConfig
     from kvfleet.engine.llm_engine import LLMEngine
 
-    settings: dict = dict(model=str(model_dir), max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=16)
+    settings: dict = dict(model=str(model_dir), max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=16,
+                          dtype="float32")
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings), show_progress=False)
 

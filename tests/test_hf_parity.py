@@ -92,7 +92,7 @@ def check_parity(model_dir: Path, kv_blocks: int, max_new_tokens: int) -> LLMEng
     fp32_bytes_per_block = ModelConfig.from_dir(model_dir).kv_bytes_per_token * 4 * 16
     engine = LLMEngine(EngineConfig(
         model=str(model_dir), block_size=16, max_model_len=256, max_num_batched_tokens=budget, max_num_seqs=8,
-        kv_cache_memory=kv_blocks * fp32_bytes_per_block,
+        kv_cache_memory=kv_blocks * fp32_bytes_per_block, dtype="float32",
     ), show_progress=False)
     got = kvfleet_staggered(engine, prompts, max_new_tokens)
     expected = hf_greedy(model_dir, prompts, max_new_tokens)

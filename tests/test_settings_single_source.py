@@ -25,6 +25,7 @@ from kvfleet.fleet.engine_settings import (
     LOCAL_FLEET,
     EngineSettings,
     crd_fields,
+    declared,
     default_of,
     flag_fields,
     flag_name,
@@ -43,7 +44,9 @@ MINIMAL = {"model": "m"}
 
 def engine_parser() -> argparse.ArgumentParser:
     with mock.patch.dict(os.environ):
-        os.environ.pop(ENGINE_API_KEY_ENV, None)  # a token in the test's environment would be the flag's default
+        for f in flag_fields():  # a token or a dtype in the test's environment would be the flag's default
+            if declared(f).env:
+                os.environ.pop(declared(f).env, None)
         parser = argparse.ArgumentParser()
         add_engine_args(parser)
     return parser

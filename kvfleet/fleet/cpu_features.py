@@ -35,3 +35,19 @@ def host_cpu_flags(path: Path = CPUINFO) -> frozenset[str] | None:
         return cpu_flags(path.read_text())
     except OSError:
         return None
+
+
+def auto_cpu_dtype(flags: frozenset[str] | None, onednn_bf16: bool) -> tuple[str, str]:
+    """The engine's `--dtype auto` on a CPU, and why: bfloat16 where the CPU has bfloat16 instructions and torch's
+    oneDNN runs bfloat16 GEMMs on them (on such CPUs kvfleet's engine served 1.5x its float32 tokens/s, issue 37),
+    else float32 (bfloat16 would be emulated in float32 arithmetic, slower than float32 itself)."""
+    found = sorted(BF16_FLAGS & flags) if flags is not None else []
+    if found and onednn_bf16:
+        return "bfloat16", (f"this CPU has bfloat16 instructions ({', '.join(found)}); --dtype float32 for answers "
+                            "equal to transformers' float32")
+    if found:
+        return "float32", "this torch's oneDNN runs no bfloat16 GEMMs"
+    if flags is None:
+        return "float32", "no /proc/cpuinfo to say whether this CPU has bfloat16 instructions"
+    return "float32", ("this CPU has no bfloat16 instructions (AVX-512 BF16 or AMX), where bfloat16 would be "
+                       "emulated, slower than float32")

@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens per KV block: the kernels' tiles need a power of two
 ENGINE_API_KEY_ENV = "KVFLEET_ENGINE_API_KEY"  # the engines' shared token; never on a command line
+DTYPE_ENV = "KVFLEET_DTYPE"  # --dtype's default where set (a container's environment; the test suite pins float32)
 # An InferenceFleet's pods get a fixed context length unless its spec says otherwise, so a fleet's KV capacity does
 # not change with its model; the engine alone defaults to the model's own length.
 FLEET_MAX_MODEL_LEN = 2048
@@ -90,7 +91,9 @@ class EngineSettings:
     kv_events_zmq_port: int | None = setting(None, minimum=0, help="also publish the KV events in vLLM's wire "
                                              "format: ZMQ PUB on this port, replay on the next (0: free ports, "
                                              "reported on /kv_event_sources; default: off)")
-    dtype: str = setting("auto", help="auto: float32 on CPU, bfloat16/float16 on GPU", choices=DTYPES)
+    dtype: str = setting("auto", help="auto: on a CPU bfloat16 where it has bfloat16 instructions (AVX-512 BF16, AMX), "
+                                      "else float32; on a GPU bfloat16, else float16. Default from $KVFLEET_DTYPE",
+                         choices=DTYPES, env=DTYPE_ENV)
     device: str = setting("auto", help="auto, cpu or cuda[:N]")
     seed: int = setting(0)
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS)

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, help="the most output a request may ask for (default: the log's P99)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="its shape sets the KV bytes per token")
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32",
-                   help="of the KV cache: float32 on CPUs (the engine's default there), bfloat16 on GPUs")
+                   help="of the KV cache: the engine's --dtype auto runs float32 on CPUs without bfloat16 "
+                        "instructions, bfloat16 on GPUs and on CPUs with them (AVX-512 BF16, AMX)")
     p.add_argument("--block-size", type=int, default=None,
                    help="the engines' KV block size (default: the largest of 32, 16, 8 that wastes at most 4 %% of "
                         "the KV cache on this traffic)")
