@@ -43,9 +43,11 @@ async def never_disconnects() -> bool:
     return False
 
 
-async def release_all(queues: list[FleetQueue], entries: list[QueueEntry], per_release: int = 1) -> list[str]:
-    """Releases everything, `per_release` at a time, by each replica in turn; the ids in the order released. Every
-    owner's wait ends granted (other replicas' entries reach their owner on its grants channel)."""
+async def release_all(queues: list[FleetQueue], entries: list[QueueEntry], per_release: int = 1,
+                      every_s: float = 0.002) -> list[str]:
+    """Releases everything, `per_release` at a time every `every_s` (past the release window), by each replica in
+    turn; the ids in the order released. Every owner's wait ends granted (other replicas' entries reach their owner
+    on its grants channel)."""
     owner = {e.id: q for q in queues for e in entries if e.owner == q.gateway_id}
     waiting = asyncio.gather(*(owner[e.id].wait(e, never_disconnects) for e in entries))
     order: list[str] = []
@@ -55,7 +57,7 @@ async def release_all(queues: list[FleetQueue], entries: list[QueueEntry], per_r
             queue.release_window_ms = 1
         order += [entry_id for entry_id, _ in await queues[turn % len(queues)].release(per_release)]
         turn += 1
-        await asyncio.sleep(0.002)  # past the release window
+        await asyncio.sleep(every_s)
     assert await asyncio.wait_for(waiting, 5.0) == [Outcome.GRANTED] * len(entries)
     return order
 

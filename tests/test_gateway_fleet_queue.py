@@ -281,3 +281,19 @@ def test_after_redis_returns_stale_pooled_connections_do_not_knock_the_queue_bac
             await asyncio.sleep(1.5)  # heartbeats and a reconcile on the pool
             assert q.backend == "redis"
     asyncio.run(scenario())
+
+
+def test_after_a_release_the_replica_counts_what_is_left_at_once(redis_server) -> None:
+    """What has_room and /ready read: a count that still held the released entry until the next scrape's refresh
+    sent a request to its model's fallback on a fast CPU, though nothing was queued any more."""
+    async def scenario() -> None:
+        q = replica(redis_server.url, "a", fleet="fresh-counts")
+        async with running(q):
+            entry = await q.enqueue(S, 30_000)
+            await q.refresh_counts()
+            assert q.total() == 1
+            waiting = asyncio.ensure_future(q.wait(entry, never_disconnects))
+            assert [owner for _, owner in await q.release(1)] == ["a"]
+            assert q.total() == 0  # no refresh in between
+            assert await asyncio.wait_for(waiting, 5) is Outcome.GRANTED
+    asyncio.run(scenario())

@@ -6,24 +6,39 @@ queued entries is refused while others still queue."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.queue.order import Refusal
-from kvfleet.gateway.queue.wait import DRAIN_WINDOW_S, drain_rate, max_ahead, predicted_wait_s, retry_after_s
+from kvfleet.gateway.queue.wait import MIN_RELEASES, drain_rate, max_ahead, predicted_wait_s, retry_after_s
 from tests.test_fair_queue import never_disconnects, release_all, replica, running
 
 S, X = Priority.STANDARD, Priority.SHEDDABLE
 
 
-def test_the_drain_rate_is_releases_per_second_over_the_window_or_since_they_began() -> None:
+def test_the_drain_rate_is_releases_after_the_first_over_the_time_since_it() -> None:
     now = 1000.5
-    assert drain_rate({}, now) is None
-    assert drain_rate({1000: 2}, now) is None  # too few to tell: nobody is refused on it
-    assert drain_rate({1000 - s: 3 for s in range(DRAIN_WINDOW_S)}, now) == pytest.approx(3.0, rel=0.1)
-    assert drain_rate({997: 4, 998: 4, 999: 4, 1000: 2}, now) == pytest.approx(14 / 3.5)  # since they began
-    assert drain_rate({900: 50, 1000: 3}, now) == pytest.approx(3.0)  # long ago: outside the window
+    assert drain_rate([], now) is None
+    assert drain_rate([1000.1, 1000.2], now) is None  # too few to tell: nobody is refused on it
+    assert drain_rate([1000.0] * 4, now) is None  # one burst of room taken at once: no rate yet
+    assert drain_rate([991.0 + i / 3 for i in range(28)], now) == pytest.approx(3.0, rel=0.1)
+    assert drain_rate([997.5, 998.5, 999.5, 1000.5], now) == pytest.approx(1.0)  # since they began
+    assert drain_rate([900.0] * 50 + [999.5, 1000.0, 1000.5], now) == pytest.approx(2.0)  # outside the window
+
+
+@pytest.mark.parametrize("rate", [0.5, 2.0, 13.0, 80.0])
+@pytest.mark.parametrize("begun_at", [100.0, 100.37, 100.93])
+def test_a_queue_that_just_began_to_drain_is_quoted_its_real_rate_not_a_fraction_of_it(rate: float,
+                                                                                       begun_at: float) -> None:
+    """A fast fleet's queue drains several entries within its first second: the rate quoted from its first few
+    releases is the rate it runs at, wherever in the wall-clock second the drain began (whole seconds quoted ~4/s
+    for 13/s here: deadlines refused and Retry-After told three times too long on a fast CPU)."""
+    releases = [begun_at + i / rate for i in range(MIN_RELEASES)]  # the first moment a rate can be told
+    for since_last in (0.0, 0.5 / rate, 0.99 / rate):
+        quoted = drain_rate(releases, releases[-1] + since_last)
+        assert quoted == pytest.approx(rate, rel=0.4), (quoted, since_last)
 
 
 def test_a_request_may_wait_behind_what_drains_by_its_deadline_and_is_told_when_to_come_back() -> None:
@@ -44,7 +59,8 @@ def test_a_request_that_cannot_be_served_by_its_deadline_is_refused_at_once(redi
         async with running(q):
             first = [await q.enqueue(S, 60_000, "flood", 1.0) for _ in range(4)]
             assert q.drain_rate_per_s() is None
-            await release_all([q], first)  # four releases: now the fleet's rate can be told
+            # four releases a scrape interval or so apart, as a gateway's passes make them: a rate can be told
+            await release_all([q], first, every_s=0.1)
             await q.refresh_counts()
             rate = q.drain_rate_per_s()
             assert rate is not None and rate > 0
@@ -106,4 +122,24 @@ def test_an_expired_entry_still_ends_its_wait(redis_server) -> None:
             assert placed.queued
             assert (await q.wait(entry, never_disconnects)).value == "expired"
             assert await q.refresh_counts() == 0
+    asyncio.run(scenario())
+
+
+def test_the_redis_queue_keeps_each_releases_time_to_the_millisecond_fleet_wide(redis_server) -> None:
+    """Two replicas release in turn at known times (a drain of 5 per second begun late in a wall-clock second):
+    the rate either replica reads is that drain's, and releases older than the window no longer count."""
+    async def scenario() -> None:
+        a, b = (replica(redis_server.url, name, fleet="drain-times") for name in ("a", "b"))
+        async with running(a, b):
+            for q in (a, b, a, b):
+                await q.enqueue(S, 60_000, "t", 1.0)
+            begun_ms = (int(time.time()) + 0.9) * 1000.0
+            for i, q in enumerate((a, b, a, b)):
+                assert len(await q.redis.release(1, begun_ms + i * 200.0, window_ms=1)) == 1
+                await asyncio.sleep(0.005)  # past the release window (real time)
+            for q in (a, b):
+                times = await q.redis.drained(begun_ms + 700.0)
+                assert drain_rate(times, (begun_ms + 700.0) / 1000) == pytest.approx(3 / 0.7)
+            later_ms = begun_ms + 10_000.0 + 300.0  # the first two have left the window
+            assert len(await a.redis.drained(later_ms)) == 2
     asyncio.run(scenario())

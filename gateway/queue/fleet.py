@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import deque
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 
@@ -26,7 +26,7 @@ from kvfleet.fleet.redis_errors import CLIENT_OPTIONS, REDIS_DOWN
 from kvfleet.gateway.queue.local import LocalQueue
 from kvfleet.gateway.queue.order import DEFAULT_TENANT, Placement, QueueEntry, queue_score
 from kvfleet.gateway.queue.redis_backend import RedisQueue
-from kvfleet.gateway.queue.wait import DRAIN_WINDOW_S, drain_rate, max_ahead
+from kvfleet.gateway.queue.wait import DRAIN_SAMPLE, drain_rate, max_ahead
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,8 @@ class FleetQueue:
         self._counts = {p: 0 for p in Priority}
         self._missing_once: set[str] = set()
         self._stopping = False
-        self._drained: dict[int, int] = {}  # fleet-wide releases per wall-clock second, as of the last refresh
-        self._local_drained: Counter[int] = Counter()  # this replica's releases while Redis is down
+        self._drained: list[float] = []  # the times of the fleet's latest releases, as of the last refresh
+        self._local_drained: deque[float] = deque(maxlen=DRAIN_SAMPLE)  # this replica's while Redis is down
         self._tasks: list[asyncio.Task] = []
         self._seq = 0
         self._restore_failures = 0
@@ -216,13 +216,12 @@ class FleetQueue:
             for entry_id, owner in released:
                 if owner == self.gateway_id:
                     self._grant(entry_id)
+            if released:  # what is left queued, and the drain rate with these releases in it, as of now
+                await self.refresh_counts()
             return released
         out = []
-        second = int(time.time())
-        for old in [s for s in self._local_drained if s < second - DRAIN_WINDOW_S - 1]:
-            del self._local_drained[old]
         for entry in self.local.release(n):
-            self._local_drained[second] += 1
+            self._local_drained.append(time.time())
             self._grant(entry.id)
             out.append((entry.id, self.gateway_id))
         return out

@@ -14,7 +14,7 @@ from kvfleet.fleet import redis_keys
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.queue.fair_order import MAX_IDLE_TENANTS, TENANTS_VISITED
 from kvfleet.gateway.queue.order import Placement, QueueEntry, Refusal
-from kvfleet.gateway.queue.wait import DRAIN_WINDOW_S
+from kvfleet.gateway.queue.wait import DRAIN_SAMPLE, DRAIN_WINDOW_S
 
 IDLE_COUNTERS_TTL_MS = 3_600_000  # a band's idle counters go after an hour without any charge or departure
 NO_BOUND = 1 << 50  # max_ahead when there is none
@@ -154,8 +154,9 @@ return 1
 # Pops up to ARGV[A+1] entries by the policy (queue/fair_order.py), less what any replica released within the last
 # window (replicas that saw the same free room between two scrapes must not each fill it); an entry whose owner has
 # no heartbeat, or whose deadline is long past, is dropped and the next one taken. Entries of other live replicas
-# are handed to them on their grants channel and leased to them (KEYS[K+2]) until they acknowledge. Releases are
-# counted per wall-clock second (the drain rate). Heartbeat keys and grants channels are a prefix and an owner's id.
+# are handed to them on their grants channel and leased to them (KEYS[K+2]) until they acknowledge. Each release's
+# time goes into KEYS[K+3] (the drain rate), trimmed to the last ARGV[A+9] ms. Heartbeat keys and grants channels are
+# a prefix and an owner's id.
 _RELEASE = _PRELUDE + """
 local want = tonumber(ARGV[A + 1]) - tonumber(redis.call('GET', KEYS[K + 1]) or '0')
 local heartbeat, now, grace, me = ARGV[A + 2], tonumber(ARGV[A + 3]), tonumber(ARGV[A + 4]), ARGV[A + 5]
@@ -198,6 +199,7 @@ while count < want do
       end
       table.insert(released, id)
       table.insert(released, owner)
+      redis.call('ZADD', KEYS[K + 3], ARGV[A + 3], id)
       count = count + 1
     end
   end
@@ -207,9 +209,8 @@ end
 if count > 0 then
   redis.call('INCRBY', KEYS[K + 1], count)
   redis.call('PEXPIRE', KEYS[K + 1], window)
-  local drained = ARGV[A + 9] .. math.floor(now / 1000)
-  redis.call('INCRBY', drained, count)
-  redis.call('PEXPIRE', drained, ARGV[A + 10])
+  redis.call('ZREMRANGEBYSCORE', KEYS[K + 3], '-inf', string.format('(%.3f', now - tonumber(ARGV[A + 9])))
+  redis.call('PEXPIRE', KEYS[K + 3], ARGV[A + 9])
 end
 return released
 """
@@ -304,19 +305,19 @@ class RedisQueue:
         this replica sees, which the others see too); returns (id, owner) pairs, others' entries already granted."""
         flat = await self._run("release", [n, redis_keys.heartbeat_prefix(self.fleet), now_ms, self.grace_ms,
                                            self.gateway_id, window_ms, redis_keys.grants_prefix(self.fleet),
-                                           self.policy, redis_keys.queue_drained_prefix(self.fleet),
-                                           (DRAIN_WINDOW_S + 2) * 1000],
-                                  keys=(redis_keys.queue_released_key(self.fleet), self.leases_key))
+                                           self.policy, DRAIN_WINDOW_S * 1000],
+                                  keys=(redis_keys.queue_released_key(self.fleet), self.leases_key,
+                                        redis_keys.queue_drained_key(self.fleet)))
         flat = [x.decode() if isinstance(x, bytes) else x for x in flat]
         return list(zip(flat[0::2], flat[1::2], strict=True))
 
-    async def drained(self, now_ms: float) -> dict[int, int]:
-        """Entries released fleet-wide in each of the last DRAIN_WINDOW_S + 1 wall-clock seconds (second -> count)."""
-        now_s = int(now_ms // 1000)
-        seconds = list(range(now_s - DRAIN_WINDOW_S, now_s + 1))
-        prefix = redis_keys.queue_drained_prefix(self.fleet)
-        counts = await self.client.mget([f"{prefix}{s}" for s in seconds])
-        return {s: int(c) for s, c in zip(seconds, counts, strict=True) if c}
+    async def drained(self, now_ms: float) -> list[float]:
+        """The times (seconds since the epoch) of the last DRAIN_SAMPLE entries released fleet-wide within the last
+        DRAIN_WINDOW_S seconds, newest first."""
+        newest = await self.client.zrevrangebyscore(redis_keys.queue_drained_key(self.fleet), "+inf",
+                                                    f"({now_ms - DRAIN_WINDOW_S * 1000}", start=0, num=DRAIN_SAMPLE,
+                                                    withscores=True)
+        return [score / 1000.0 for _, score in newest]
 
     async def sweep(self, now_ms: float, own_live_ids: set[str] | None = None) -> int:
         """Drops entries of dead replicas and long-expired ones; with own_live_ids, this replica's orphans too."""

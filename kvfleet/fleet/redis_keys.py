@@ -58,10 +58,10 @@ def queue_leases_key(fleet: str) -> str:
     return queue_key(fleet) + ":leases"
 
 
-def queue_drained_prefix(fleet: str) -> str:
-    """What the counter of entries released fleet-wide in one wall-clock second starts with (the queue's Lua appends
-    the second since the epoch; each expires after the drain-rate window)."""
-    return key_prefix(fleet) + "queue:drained:"
+def queue_drained_key(fleet: str) -> str:
+    """Sorted set: entries released fleet-wide lately, entry id -> release time (ms since the epoch), trimmed to the
+    drain-rate window by the release script: what the drain rate is measured from."""
+    return key_prefix(fleet) + "queue:drained"
 
 
 def tenant_inflight_key(fleet: str, tenant: str) -> str:
