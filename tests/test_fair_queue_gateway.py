@@ -33,7 +33,7 @@ def light_place_behind_a_flood(engine: str, model: str, url: str, queued) -> int
     threads = [threading.Thread(target=send, args=(url, model, "standard", results, f"flood{i}"),
                                 kwargs={TENANT: "flood"}) for i in range(FLOOD)]
     light = threading.Thread(target=send, args=(url, model, "standard", results, "light"), kwargs={TENANT: "light"})
-    with saturated(engine, model):
+    with saturated(engine, model, (url,)):
         for t in threads:
             t.start()
         until(lambda: queued() == FLOOD, "the flood never queued")

@@ -44,7 +44,7 @@ def test_a_request_that_cannot_be_served_by_its_deadline_is_answered_at_once_wit
     backlog = [threading.Thread(target=send, args=(url, model, "standard", results, f"t{i}"),
                                 kwargs={"max_tokens": 64, TENANT: f"t{i}"}) for i in range(12)]
     try:
-        with saturated(engine, model):
+        with saturated(engine, model, (url,)):
             for t in backlog:
                 t.start()
             until(lambda: store.zcard(queue_key("deadlines")) == 12, "the backlog never queued")
@@ -79,7 +79,7 @@ def test_a_tenant_at_its_queued_cap_gets_429_while_other_tenants_still_queue(eng
     proc, url = gateway(engine, redis_server.url, "queued-cap", "--tenant-max-queued", "2")
     results: dict = {}
     try:
-        with saturated(engine, model):
+        with saturated(engine, model, (url,)):
             first = [threading.Thread(target=send, args=(url, model, "standard", results, f"big{i}"),
                                       kwargs={TENANT: "big"}) for i in range(2)]
             for t in first:

@@ -68,21 +68,21 @@ def running(engine: str) -> int:
 
 
 @contextmanager
-def saturated(engine: str, model: str, holders: int = 4, fronts: tuple[str, ...] = ()) -> Iterator[None]:
+def saturated(engine: str, model: str, fronts: tuple[str, ...], holders: int = 4,
+              served_as: str | None = None) -> Iterator[None]:
     """The one-sequence engine kept busy with one request running and the rest waiting (--saturation-queue 1); it
     stays saturated until all but one have run, holders - 1 times the ~2.5 s a 1000-token request takes here (two
-    holders left a window short enough for a queued request to be released by the first one's end). `fronts`:
-    gateways whose /metrics must count the engine saturated before the block runs (else it waits 0.3 s for them)."""
+    holders left a window short enough for a queued request to be released by the first one's end). The block runs
+    once every gateway in `fronts` counts the engine saturated (`served_as`: the model it is under in a gateway of
+    several), whatever the machine's speed."""
     stop = threading.Event()
     threads = [threading.Thread(target=hold_stream, args=(engine, model, stop, 1000)) for _ in range(holders)]
     for t in threads:
         t.start()
     try:
         until(lambda: engine_gauge(engine, "kvfleet_num_requests_waiting") == holders - 1, "never saturated")
-        if fronts:
-            until(lambda: all(sees_saturated(front) for front in fronts), "a gateway never saw the engine saturated")
-        else:
-            time.sleep(0.3)  # every gateway has scraped it
+        until(lambda: all(sees_saturated(front, served_as) for front in fronts),
+              "a gateway never saw the engine saturated")
         yield
     finally:
         stop.set()
@@ -90,11 +90,11 @@ def saturated(engine: str, model: str, holders: int = 4, fronts: tuple[str, ...]
             t.join()
 
 
-def sees_saturated(gateway: str) -> bool:
-    """The gateway's own count of engines by state: every engine it knows is saturated."""
-    text = httpx.get(f"{gateway}/metrics", timeout=5).text
-    return ('kvfleet_gateway_endpoints{state="available"} 0.0' in text
-            and 'kvfleet_gateway_endpoints{state="saturated"} 0.0' not in text)
+def sees_saturated(gateway: str, served_as: str | None = None) -> bool:
+    """The gateway's own view (/ready): it knows a healthy engine and none has room (of model `served_as`)."""
+    ready = httpx.get(f"{gateway}/ready", timeout=5).json()
+    fleet = ready["models"][served_as] if served_as else ready
+    return fleet["healthy"] >= 1 and fleet["available"] == 0
 
 
 def complete(gateway: str, model: str, prompt: str, max_tokens: int = 8, timeout: float = 60,
@@ -184,7 +184,7 @@ def test_redis_killed_while_requests_wait_in_its_queue(engines, model, redis_ser
     try:
         wait_until_routable(url)
         with ThreadPoolExecutor(8) as pool:
-            with saturated(narrow, model):
+            with saturated(narrow, model, (url,)):
                 patient = [pool.submit(complete, url, model, f"p{i}", 8, 40, **{"x-kvfleet-max-queue-ms": "20000"})
                            for i in range(4)]
                 short = pool.submit(complete, url, model, "short", 8, 40, **{"x-kvfleet-max-queue-ms": "1500"})
@@ -271,7 +271,7 @@ def test_a_gateway_replica_killed_while_its_requests_wait_in_redis(engines, mode
         wait_until_routable(doomed_url)
         wait_until_routable(survivor_url)
         with ThreadPoolExecutor(8) as pool:
-            with saturated(narrow, model, holders=5):
+            with saturated(narrow, model, (doomed_url, survivor_url), holders=5):
                 mine, theirs = [], []
                 for i in range(3):  # interleaved: the survivor's entries sit behind the doomed replica's
                     theirs.append(pool.submit(complete, doomed_url, model, f"d{i}", 8, 40))
@@ -325,7 +325,7 @@ def test_a_gateway_replica_killed_while_requests_released_to_it_are_leased(engin
         wait_until_routable(doomed_url)
         wait_until_routable(survivor_url)
         with ThreadPoolExecutor(8) as pool:
-            with saturated(narrow, model, holders=5):
+            with saturated(narrow, model, (doomed_url, survivor_url), holders=5):
                 theirs, mine = [], []
                 for i, (gateway, group) in enumerate([(doomed_url, theirs)] * 3 + [(survivor_url, mine)] * 3):
                     group.append(pool.submit(finished, complete, gateway, model, f"r{i}", 8, 60))

@@ -202,8 +202,9 @@ def hold(url: str, model_: str, stop: threading.Event, priority: int = 0) -> Non
 
 
 @contextlib.contextmanager
-def held(engine_url: str, model_: str, count: int, priority: int = 0) -> Iterator[None]:
-    """`count` long requests at the engine: with one batch slot, one runs and the rest wait."""
+def held(engine_url: str, model_: str, count: int, gateway_url: str, priority: int = 0) -> Iterator[None]:
+    """`count` long requests at the engine: with one batch slot, one runs and the rest wait; the block runs once the
+    gateway counts the engine saturated."""
     stop = threading.Event()
     holders = [threading.Thread(target=hold, args=(engine_url, model_, stop, priority)) for _ in range(count)]
     for t in holders:
@@ -211,7 +212,7 @@ def held(engine_url: str, model_: str, count: int, priority: int = 0) -> Iterato
         time.sleep(0.05)
     try:
         until(lambda: waiting(engine_url) == count - 1, f"the engine never had {count - 1} waiting")
-        time.sleep(0.3)  # the gateways have scraped it
+        until(lambda: ready(gateway_url)["available"] == 0, "the gateway never saw the engine saturated")
         yield
     finally:
         stop.set()
@@ -242,7 +243,7 @@ def test_a_critical_request_is_answered_while_the_fleet_is_saturated_and_others_
         engine, model, redis_server_module, data_plane: str) -> None:
     results: dict = {}
     with gateway(engine, redis_server_module.url, f"cf-{data_plane}", "--data-plane", data_plane) as url:
-        with held(engine, model, 2):
+        with held(engine, model, 2, url):
             standard = threading.Thread(target=send, args=(url, model, "standard", results, "standard"))
             standard.start()
             until(lambda: ready(url)["queued"] == 1, "the standard request never queued behind the saturated fleet")
@@ -265,7 +266,7 @@ def test_with_no_critical_first_a_critical_request_queues_as_the_others_do(engin
                                                                            redis_server_module) -> None:
     results: dict = {}
     with gateway(engine, redis_server_module.url, "cf-off", "--data-plane", "python", "--no-critical-first") as url:
-        with held(engine, model, 2):
+        with held(engine, model, 2, url):
             critical = threading.Thread(target=send, args=(url, model, "critical", results, "critical"))
             critical.start()
             until(lambda: ready(url)["queued"] == 1, "the critical request was not queued with --no-critical-first")
@@ -283,7 +284,7 @@ def test_a_critical_request_whose_client_leaves_before_it_starts_is_no_longer_co
     (~2.5 s, less on a fast machine or a faster engine) the request could start before the client's 2 s were up."""
     results: dict = {}
     with gateway(engine, redis_server_module.url, f"cf-gone-{data_plane}", "--data-plane", data_plane) as url:
-        with held(engine, model, 3, priority=-2):
+        with held(engine, model, 3, url, priority=-2):
             client = threading.Thread(target=send, args=(url, model, "critical", results, "impatient"),
                                       kwargs={"timeout": 2.0})
             client.start()

@@ -67,7 +67,7 @@ def degraded_count(gateway: str) -> float:
 def test_a_saturated_fleet_caps_standard_output_sheds_sheddable_and_says_so(gateway: str, engine: str,
                                                                             model: str) -> None:
     before, out = degraded_count(gateway), {}
-    with saturated(engine, model):
+    with saturated(engine, model, (gateway,)):
         waiter = threading.Thread(target=complete, args=(gateway, model, "standard", out))
         waiter.start()
         complete(gateway, model, "sheddable", out)

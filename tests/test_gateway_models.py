@@ -153,7 +153,7 @@ def test_a_saturated_model_falls_back_to_its_fallback_only_when_allowed_and_says
         gateway: str, engines: dict[str, str]) -> None:
     fallback_count = {"model": BIG, "priority": "standard", "step": "fallback"}
     before, out = metric(gateway, "kvfleet_gateway_degraded_total", **fallback_count), {}
-    with saturated(engines[TINY], TINY):
+    with saturated(engines[TINY], TINY, (gateway,), served_as=TINY):
         complete(gateway, out, "allowed", **{ALLOW_FALLBACK: "true"})
         waiter = threading.Thread(target=complete, args=(gateway, out, "not allowed"))
         waiter.start()
@@ -168,11 +168,17 @@ def test_a_saturated_model_falls_back_to_its_fallback_only_when_allowed_and_says
           "the fallback was not counted", timeout=10)
     waited = out["not allowed"]  # served by its own model once the holders left
     assert waited.status_code == 200 and waited.json()["model"] == TINY and DEGRADED not in waited.headers
-    until(lambda: httpx.get(f"{gateway}/ready").json()["models"][TINY]["available"] == 1,
-          "the gateway never saw the tiny engine with room again")  # its view trails the engine by a scrape
-    with_room: dict = {}
-    complete(gateway, with_room, "allowed", **{ALLOW_FALLBACK: "true"})  # room again: no fallback
-    assert with_room["allowed"].json()["model"] == TINY and DEGRADED not in with_room["allowed"].headers
+    with_room: list[httpx.Response] = []
+
+    def served_by_its_own_model() -> bool:
+        # room again: no fallback. A scrape that runs late on a busy machine reads as saturated for a moment (stale
+        # metrics count as saturated) and the request rightly falls back; what must hold is that it comes back.
+        out: dict = {}
+        complete(gateway, out, "allowed", **{ALLOW_FALLBACK: "true"})
+        with_room.append(out["allowed"])
+        return out["allowed"].json()["model"] == TINY
+    until(served_by_its_own_model, "requests never came back to their own model once it had room")
+    assert all(r.status_code == 200 for r in with_room) and DEGRADED not in with_room[-1].headers
 
 
 # ---- the models from Kubernetes: InferenceFleets by label selector ------------------------------------------------

@@ -58,7 +58,7 @@ def test_critical_before_standard_across_replicas_sheddable_shed_nobody_lost(eng
     results: dict = {}
     plan = [("s1", a, "standard"), ("s2", b, "standard"), ("c1", b, "critical"), ("c2", a, "critical")]
     threads = []
-    with saturated(engine, model, fronts=(a, b)):
+    with saturated(engine, model, (a, b)):
         for name, gw, priority in plan:
             threads.append(threading.Thread(target=send, args=(gw, model, priority, results, name)))
             threads[-1].start()
@@ -80,7 +80,7 @@ def test_critical_before_standard_across_replicas_sheddable_shed_nobody_lost(eng
 
 def test_the_queue_deadline_answers_503_with_retry_after(engine, model, gateways, queued) -> None:
     results: dict = {}
-    with saturated(engine, model, fronts=tuple(gateways)):
+    with saturated(engine, model, tuple(gateways)):
         started = time.monotonic()
         send(gateways[0], model, "standard", results, "late", **{"x-kvfleet-max-queue-ms": "300"})
         waited = time.monotonic() - started
@@ -93,7 +93,7 @@ def test_the_queue_deadline_answers_503_with_retry_after(engine, model, gateways
 
 def gives_up_and_leaves_the_queue(engine: str, model: str, url: str, queued) -> None:
     results: dict = {}
-    with saturated(engine, model, fronts=(url,)):
+    with saturated(engine, model, (url,)):
         t = threading.Thread(target=send, args=(url, model, "critical", results, "impatient"),
                              kwargs={"timeout": 1.5})
         t.start()
@@ -127,7 +127,7 @@ def test_a_full_class_queue_answers_429_and_other_classes_still_queue(engine, mo
     results: dict = {}
     threads = [threading.Thread(target=send, args=(gateways[i % 2], model, "standard", results, f"s{i}"))
                for i in range(4)]
-    with saturated(engine, model, fronts=tuple(gateways)):
+    with saturated(engine, model, tuple(gateways)):
         for t in threads:
             t.start()
         until(lambda: queued() == 4, "four standard requests never queued")

@@ -77,7 +77,7 @@ def test_gateways_count_each_class_and_the_reader_sums_them(engine, model, redis
         # hostile: a made-up class is refused with the existing 400 and counted as no class at all
         bogus = complete(gateway, model, "urgent!!", stream=False)
         assert bogus.status_code == 400 and bogus.json()["error"]["param"] == "x-kvfleet-priority"
-        with saturated(engine, model):
+        with saturated(engine, model, (gateway,)):
             shed = complete(gateway, model, "sheddable", stream=False)
             assert shed.status_code == 429 and shed.json()["error"]["code"] == "shed_saturated"
             late = complete(gateway, model, "standard", stream=False, **{"x-kvfleet-max-queue-ms": "200"})
@@ -115,7 +115,7 @@ def test_a_queued_request_shows_in_its_class(engine, model, redis_server) -> Non
                                   "--saturation-queue", "1", "--data-plane", "python")
     try:
         wait_until_routable(gateway)
-        with saturated(engine, model):
+        with saturated(engine, model, (gateway,)):
             waiter = threading.Thread(target=complete, args=(gateway, model, "standard", False))
             waiter.start()
             deadline = time.monotonic() + 10

@@ -230,7 +230,7 @@ def test_a_saturated_gateway_exports_the_top_tenant_by_name_and_the_rest_as_othe
         plan = ["big"] * 3 + ["small"] * 2
         threads = [threading.Thread(target=send, args=(url, model, "standard", results, f"{t}{i}"),
                                     kwargs={TENANT: t}) for i, t in enumerate(plan)]
-        with saturated(engine, model):
+        with saturated(engine, model, (url,)):
             for t in threads:
                 t.start()
 

@@ -211,9 +211,7 @@ def test_a_saturated_kvfleet_model_falls_back_to_a_vllm_model_and_comes_back(vll
                                      "--saturation-queue", "1")
         body = {"model": "tiny", "prompt": "tell me more", "max_tokens": 4, "ignore_eos": True}
         allow = {headers.ALLOW_FALLBACK: "true", headers.PRIORITY: "standard"}
-        with saturated(tiny, "tiny"):
-            wait_until(lambda: httpx.get(f"{url}/ready", timeout=10).json()["models"]["tiny"]["available"] == 0, 10,
-                       "the gateway never saw the kvfleet engine saturated")
+        with saturated(tiny, "tiny", (url,), served_as="tiny"):
             fell_back = httpx.post(f"{url}/v1/completions", json=body, headers=allow, timeout=120)
         assert fell_back.status_code == 200, fell_back.text
         assert fell_back.json()["model"] == SERVED and fell_back.headers[headers.DEGRADED] == f"fallback={SERVED}"
