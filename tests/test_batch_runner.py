@@ -71,7 +71,10 @@ async def test_a_batch_past_its_window_ends_expired_keeping_what_was_answered(en
 
         await until(some_answered)
         # the runner reports the unfinished work for the operator's autoscaler (operator/batch_demand.py)
-        await asyncio.sleep(1.2)  # a scan
+        async def reported_once() -> bool:  # by a scan, once a second
+            return await api.redis.hexists(batch_backlog_key("default"), batch["id"])
+
+        await until(reported_once)
         reported = json.loads(await api.redis.hget(batch_backlog_key("default"), batch["id"]))
         assert 0 < reported["remaining"] < 40 and reported["deadline"] == batch["expires_at"]
         assert reported["output_tokens"] == 48 and reported["prompt_tokens"] > 0

@@ -275,10 +275,9 @@ def test_a_gateway_replica_killed_while_its_requests_wait_in_redis(engines, mode
                 mine, theirs = [], []
                 for i in range(3):  # interleaved: the survivor's entries sit behind the doomed replica's
                     theirs.append(pool.submit(complete, doomed_url, model, f"d{i}", 8, 40))
-                    time.sleep(0.05)
+                    until(lambda n=2 * i + 1: store.zcard(queue_key(fleet)) == n, f"d{i} never queued")
                     mine.append(pool.submit(finished, complete, survivor_url, model, f"s{i}", 8, 40))
-                    time.sleep(0.05)
-                until(lambda: store.zcard(queue_key(fleet)) == 6, "the six requests never queued")
+                    until(lambda n=2 * i + 2: store.zcard(queue_key(fleet)) == n, f"s{i} never queued")
                 doomed.send_signal(signal.SIGKILL)
                 killed_at = time.monotonic()
                 lost = [f.result(timeout=3) for f in theirs]  # its clients see the connection close at once

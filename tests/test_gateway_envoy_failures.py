@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 
 import httpx
 import pytest
@@ -46,6 +45,13 @@ def fleet():
 
 def ejections(url: str, engine: str) -> float:
     return counter(httpx.get(f"{url}/metrics").text, f'kvfleet_gateway_ejections_total{{endpoint="{engine}"}}')
+
+
+def until_counted(url: str, answers: int) -> None:
+    """Until Envoy's access log of `answers` requests has reached the picker: each attempt's entry (the outcome that
+    ejects) comes before its request's end, which the picker counts; after that, nothing more is on its way."""
+    until(lambda: counter(httpx.get(f"{url}/metrics").text, "kvfleet_gateway_requests_total") >= answers,
+          f"the picker never counted {answers} answers from Envoy's access log", 10)
 
 
 def refuse_new_connections(engine: StandInEngine) -> None:
@@ -110,7 +116,7 @@ def test_a_busy_engine_is_tried_elsewhere_and_never_ejected(fleet) -> None:
         r = complete(url, f"q{i}")
         assert r.status_code == 200 and r.headers["x-kvfleet-engine"] == healthy.url
     assert len(busy.prompts) == 3  # still the first choice every other time: busy is not broken
-    time.sleep(1.5)  # Envoy's access log reaches the picker: still nothing ejected
+    until_counted(url, 6)  # still nothing ejected
     assert ejections(url, busy.url) == 0 and httpx.get(f"{url}/ready").json()["available"] == 2
 
 
@@ -121,7 +127,7 @@ def test_an_answer_the_request_caused_is_returned_as_is_and_never_retried(fleet,
         r = complete(url, prompt)
         assert r.status_code == status
     assert [e.prompts.count(prompt) for e in engines] == [2, 2]  # each went to one engine, once
-    time.sleep(1.5)  # Envoy's access log reaches the picker: still nothing ejected
+    until_counted(url, 4)  # still nothing ejected
     metrics = httpx.get(f"{url}/metrics").text
     assert counter(metrics, "kvfleet_gateway_ejections_total") == 0
 

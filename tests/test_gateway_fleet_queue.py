@@ -38,6 +38,14 @@ async def never_disconnects() -> bool:
     return False
 
 
+async def until(condition, timeout: float = 5.0) -> None:
+    """Until condition() holds, on this event loop (the queue's tasks run meanwhile); AssertionError after timeout."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 async def wait_all(queue: FleetQueue, entries, order: list[str]) -> list[Outcome]:
     async def one(entry):
         outcome = await queue.wait(entry, never_disconnects)
@@ -101,7 +109,7 @@ def test_a_long_waiting_request_overtakes_fresh_critical_ones_after_the_aging_wi
             order: list[str] = []
             task = asyncio.ensure_future(wait_all(q, [old, fresh], order))
             await q.release(1)
-            await asyncio.sleep(0.05)
+            await until(lambda: order)
             assert order == [old.id]
             await asyncio.sleep(q.release_window_ms / 1000)  # a release within the window counts the first one's room
             await q.release(1)
@@ -186,8 +194,8 @@ def test_a_periodic_sweep_drops_a_dead_replicas_entries_even_without_capacity(re
             await dead.enqueue(S, 60_000)
             for task in dead._tasks:
                 task.cancel()
-            await asyncio.sleep(2.5)  # the live replica sweeps every other second
-            assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 0
+            # the live replica sweeps every other second
+            await until(lambda: redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 0, timeout=10)
             await dead.client.aclose()
     asyncio.run(scenario())
 
@@ -205,7 +213,7 @@ def test_when_redis_dies_the_replica_queues_in_process_and_moves_back_when_it_re
             order: list[str] = []
             task = asyncio.ensure_future(wait_all(q, [first, second], order))
             await q.release(1)
-            await asyncio.sleep(0.05)
+            await until(lambda: order)
             assert order == [second.id]  # same policy in-process: critical first
             third = await q.enqueue(S, 60_000)
             redis_server.start()  # back, empty (no persistence)

@@ -69,7 +69,8 @@ def test_requests_go_to_the_engine_with_headroom(engines, model: str) -> None:
         while waiting(url_a) < 5 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert waiting(url_a) >= 5  # engine A is saturated (queue >= 5); B is idle
-        time.sleep(0.2)
+        while httpx.get(f"{gateway}/ready").json()["available"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)  # until the gateway has scraped it so
         served = Counter(complete(gateway, model).headers["x-kvfleet-engine"] for _ in range(8))
         assert served == {url_b: 8}
     finally:

@@ -109,6 +109,12 @@ def test_render_answers_the_token_ids_the_engine_runs(engines) -> None:
     assert len(listed) == 1 and completed["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] > 0
 
 
+def following(gateway: str, engine: str) -> bool:
+    """Whether the gateway's index follows the engine's KV events (it counts the engine's blocks from then on)."""
+    return any(line.startswith("kvfleet_gateway_kv_index_blocks{") and f'endpoint="{engine}"' in line
+               for line in httpx.get(f"{gateway}/metrics").text.splitlines())
+
+
 SYSTEM = ("You are the support assistant of the Harbor Lane bakery. Answer politely, mention the daily "
           "special when it fits, and never promise deliveries after six in the evening. ") * 3
 
@@ -120,7 +126,10 @@ def test_a_gateway_builds_its_index_from_engines_that_publish_only_vllms_format(
                                   str(tiny_model_dir), "--redis-url", redis_server_module.url)
     try:
         wait_until_routable(gateway, len(engines))
-        time.sleep(1.0)  # the follower finds no /kv_events, asks /kv_event_sources and subscribes
+        # the follower finds no /kv_events, asks /kv_event_sources and subscribes (replaying the pod's buffer)
+        deadline = time.monotonic() + 30
+        while not following(gateway, holder) and time.monotonic() < deadline:
+            time.sleep(0.05)
         before = index_blocks(gateway, holder)
         chat(holder, SYSTEM, "Hello!")  # straight to one engine: the gateway hears of it only from its events
         deadline = time.monotonic() + 10
@@ -216,7 +225,7 @@ def test_the_subscriber_lets_go_of_a_pod_whose_scrapes_fail_within_seconds() -> 
             task = asyncio.create_task(subscriber.follow(session, pod.url, {}, lambda: alive["now"]))
             try:
                 await until(lambda: index.engines() == [pod.url])
-                await asyncio.sleep(0.3)
+                await asyncio.to_thread(pod.wait_subscribed)
                 pod.send(0, msgpack.packb([1.0, [stored(100, None, 1)], 0]))
                 await until(lambda: held(index, pod.url, list(range(100, 116))) == 1)
                 await asyncio.sleep(1.5)
@@ -245,7 +254,7 @@ def test_the_subscriber_survives_garbage_fills_gaps_once_and_notices_a_restart()
             task = asyncio.create_task(subscriber.follow(session, pod.url, {}))
             try:
                 await until(lambda: index.engines() == [pod.url])
-                await asyncio.sleep(0.3)  # the SUB socket's subscription reaches the pod
+                await asyncio.to_thread(pod.wait_subscribed)
                 for frames in ([b"garbage"], [b"", b"\x00" * 3, b"x"], [b"", (0).to_bytes(8, "big"), b"\xc1"]):
                     pod.send_frames(frames)
                 pod.send(0, msgpack.packb([1.0, [stored(100, None, 1)], 0]))

@@ -83,7 +83,7 @@ class FakeVllmPod:
         self.buffer: list[tuple[int, bytes]] = []
         self.replay_delay = 0.0  # seconds a replay request waits: live batches sent meanwhile are replayed too
         self._context = zmq.Context()
-        self.pub = self._context.socket(zmq.PUB)
+        self.pub = self._context.socket(zmq.XPUB)  # a PUB that hears each subscription: a test can wait for one
         self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.router = self._context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.RCVTIMEO, 100)
@@ -118,6 +118,21 @@ class FakeVllmPod:
             if live:
                 self.pub.send_multipart([b"", seq.to_bytes(8, "big", signed=True), payload])
             self.buffer.append((seq, payload))
+
+    def wait_subscribed(self, timeout: float = 10.0) -> None:
+        """Until a subscriber's subscription has reached the pod: what is published before it is not delivered
+        (ZMQ's slow joiner), however long a machine takes to get there."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                try:
+                    message = self.pub.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    message = b""
+            if message[:1] == b"\x01":
+                return
+            time.sleep(0.01)
+        raise AssertionError("no subscription reached the pod")
 
     def send_frames(self, frames: list[bytes]) -> None:
         with self._lock:
