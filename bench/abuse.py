@@ -189,7 +189,7 @@ def main() -> int:
         target, pids = Target(args.url, args.model, args.engine), args.pid
     else:
         from kvfleet.fleet.ports import free_port
-        from kvfleet.local_fleet import FleetSpec, LocalFleet
+        from kvfleet.local.fleet import FleetSpec, LocalFleet
 
         fleet = LocalFleet(FleetSpec(engines=args.engines, model=args.model, port=free_port()))
         fleet.start()

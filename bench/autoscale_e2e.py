@@ -148,7 +148,7 @@ def fleet_manifest(max_replicas: int, runtime: str = "kvfleet", capacity: dict |
 
 def start_cluster(max_replicas: int, interval_s: float, runtime: str = "kvfleet", capacity: dict | None = None):
     from kvfleet.fleet.ports import free_port
-    from kvfleet.local_cluster import ClusterSpec, LocalCluster
+    from kvfleet.local.cluster import ClusterSpec, LocalCluster
 
     cluster = LocalCluster(ClusterSpec(fleet_manifest(max_replicas, runtime, capacity), namespace=NAMESPACE,
                                        port=free_port(), autoscale_interval_s=interval_s))

@@ -36,7 +36,7 @@ from bench.fleet_procs import latency_stats, model_dir, spawn, wait_for
 from kvfleet.fleet.engine_settings import EngineSettings
 from kvfleet.fleet.ports import free_port
 from kvfleet.loadgen import LoadSpec, make_prompts, run_load
-from kvfleet.redis_server import RedisServer
+from kvfleet.local.redis_server import RedisServer
 
 OUTPUT_TOKENS, PROMPT_WORDS = 32, 48
 TTFT_TARGET, THROUGHPUT_TARGET = 1.15, 0.8

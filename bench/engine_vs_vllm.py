@@ -39,8 +39,8 @@ from bench.fleet_procs import get, model_dir
 from kvfleet.fleet.cpu_features import CPUINFO, host_cpu_flags
 from kvfleet.fleet.engine_settings import EngineSettings
 from kvfleet.fleet.ports import free_port
-from kvfleet.supervisor import Child, kvfleet_command
-from kvfleet.supervisor import spawn as spawn_child
+from kvfleet.local.supervisor import Child, kvfleet_command
+from kvfleet.local.supervisor import spawn as spawn_child
 
 SERVED = "bench-model"
 MAX_MODEL_LEN = 2048
@@ -84,7 +84,7 @@ class RssWatch:
 
 
 def vllm_install():
-    from kvfleet.vllm_local import find_vllm
+    from kvfleet.local.vllm import find_vllm
 
     return find_vllm()
 
@@ -102,7 +102,7 @@ def start_engine(kind: str, dtype: str, model: Path, log_dir: Path, extra: list[
         child.wait_ready(lambda: get(url + "/ready") is not None, 300.0, poll_s=0.5)
         return child
     from kvfleet.fleet.vllm_serve import kv_cache_space_gib
-    from kvfleet.vllm_local import engine_env
+    from kvfleet.local.vllm import engine_env
 
     install = vllm_install()
     base = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}

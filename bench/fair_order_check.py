@@ -9,7 +9,7 @@ import asyncio
 import random
 
 from kvfleet.fleet.priority import Priority
-from kvfleet.redis_server import RedisServer
+from kvfleet.local.redis_server import RedisServer
 
 
 def order_displacement(reference: list, other: list) -> dict:

@@ -18,9 +18,9 @@ from kvfleet.fleet.engine_settings import BENCH, EngineSettings
 from kvfleet.fleet.load import parse_engine_load
 from kvfleet.fleet.ports import free_port
 from kvfleet.fleet.vllm_serve import HEALTH_PATH, serve_args
-from kvfleet.redis_server import RedisServer
-from kvfleet.supervisor import Child, kvfleet_command, stop_together
-from kvfleet.supervisor import spawn as spawn_child
+from kvfleet.local.redis_server import RedisServer
+from kvfleet.local.supervisor import Child, kvfleet_command, stop_together
+from kvfleet.local.supervisor import spawn as spawn_child
 
 MODEL_NAME = "bench-model"  # what the engines serve and the clients ask for
 FALLBACK_NAME = "bench-fallback"  # what a fallback engine serves (the degradation ladder's second rung)
@@ -131,7 +131,7 @@ class BenchFleet:
         """vLLM engines as `kvfleet up --runtime vllm` runs them (its managed install, one core each, KV events on
         loopback, 1 GiB of KV space that --num-gpu-blocks-override in engine_args may cap), in dev mode so that a
         benchmark can empty their prefix caches between arms (reset_prefix_caches)."""
-        from kvfleet.vllm_local import core_groups, engine_env, find_vllm
+        from kvfleet.local.vllm import core_groups, engine_env, find_vllm
 
         install = find_vllm()
         cores = core_groups(len(self.max_num_seqs))

@@ -31,7 +31,7 @@ from kvfleet.fleet import metrics as names
 from kvfleet.fleet.engine_settings import EngineSettings
 from kvfleet.fleet.ports import free_port
 from kvfleet.loadgen import LoadSpec, run_load
-from kvfleet.redis_server import RedisServer
+from kvfleet.local.redis_server import RedisServer
 
 ADAPTERS, HELD, RANK = 32, 8, 16
 POLICIES = ("least-request", "kvfleet")

@@ -60,8 +60,8 @@ from kvfleet.fleet import headers
 from kvfleet.fleet.ports import free_port
 from kvfleet.fleet.priority import Priority
 from kvfleet.loadgen import LoadSpec, arrival_times, make_prompts
-from kvfleet.supervisor import Child, stop_together
-from kvfleet.supervisor import spawn as spawn_child
+from kvfleet.local.supervisor import Child, stop_together
+from kvfleet.local.supervisor import spawn as spawn_child
 
 # httpcore's pool scans all its connections for every request: with a thousand in flight (a flood a router holds for
 # seconds) one client spent its loop there and sent the plan up to 10 s late; the requests are dealt over this many

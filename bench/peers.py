@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet.fleet.ports import free_port
-from kvfleet.supervisor import Child
-from kvfleet.supervisor import spawn as spawn_child
+from kvfleet.local.supervisor import Child
+from kvfleet.local.supervisor import spawn as spawn_child
 
 VENVS = Path(os.environ.get("KVFLEET_BENCH_VENVS", Path.home() / ".cache" / "kvfleet-bench" / "venvs"))
 

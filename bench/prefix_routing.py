@@ -45,8 +45,8 @@ from bench.prefix_client import closed_loop, run_plan
 from bench.prefix_report import chart, format_table, knee_throughput, pooled, ratios, summarize_arm
 from bench.prefix_workload import WORKLOADS, first_of_key_share, plan
 from kvfleet.fleet.ports import free_port
-from kvfleet.supervisor import Child, ChildExited, NotReady
-from kvfleet.supervisor import spawn as spawn_child
+from kvfleet.local.supervisor import Child, ChildExited, NotReady
+from kvfleet.local.supervisor import spawn as spawn_child
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import httpx
 from kubernetes import client
 
 from kvfleet.fleet.ports import free_port
-from kvfleet.local_cluster import ClusterSpec, LocalCluster, default_fleet
+from kvfleet.local.cluster import ClusterSpec, LocalCluster, default_fleet
 
 BURST = 40  # concurrent requests: more than one engine's batch (16) and its queue
 

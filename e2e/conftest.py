@@ -56,7 +56,7 @@ def target():
                      bool(os.environ.get("KVFLEET_E2E_KIND")))
         return
     from kvfleet.fleet.ports import free_port
-    from kvfleet.local_cluster import ClusterSpec, LocalCluster, default_fleet
+    from kvfleet.local.cluster import ClusterSpec, LocalCluster, default_fleet
 
     cluster = LocalCluster(ClusterSpec(default_fleet(fleet, model), namespace=namespace, port=free_port(),
                                        autoscale_interval_s=2.0))

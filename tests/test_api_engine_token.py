@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from kvfleet.engine.api_key import is_authorized
+from kvfleet.engine.server.api_key import is_authorized
 from tests.conftest import _engine_args, _launch, _wait_ready, free_port, stop_process
 
 TOKEN = "s3cret-engine-token"

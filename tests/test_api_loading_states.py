@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from kvfleet.engine.api_server import ServerState, build_app
+from kvfleet.engine.server.api_server import ServerState, build_app
 
 
 def test_loading_engine_is_neither_healthy_nor_ready() -> None:

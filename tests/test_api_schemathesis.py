@@ -13,8 +13,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import checks as st_checks
 
-from kvfleet.engine.api_server import ServerState, build_app
 from kvfleet.engine.async_engine import AsyncEngine
+from kvfleet.engine.server.api_server import ServerState, build_app
 from tests.conftest import make_engine
 
 CHECKS = [st_checks.not_a_server_error, st_checks.response_schema_conformance, st_checks.content_type_conformance]
@@ -46,7 +46,7 @@ def shorten(case) -> None:
         case.body["max_tokens"] = 8
 
 
-# What routers in front ask (vLLM's and SGLang's routes: engine/vllm_compat_api.py, sglang_compat_api.py)
+# What routers in front ask (vLLM's and SGLang's routes: engine/server/vllm_compat_api.py, sglang_compat_api.py)
 PEER_ROUTES = ["GET /kv_event_sources", "GET /get_server_info", "GET /server_info", "GET /model_info",
                "GET /get_model_info", "GET /get_load", "GET /version", "POST /v1/completions/render",
                "POST /v1/chat/completions/render", "POST /tokenize", "POST /detokenize",

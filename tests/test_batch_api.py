@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from kvfleet.redis_server import RedisServer
+from kvfleet.local.redis_server import RedisServer
 from tests.conftest import start_gateway, stop_process
 from tests.test_gateway_proxy import wait_until_routable
 

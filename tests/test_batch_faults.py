@@ -12,7 +12,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from kvfleet.redis_server import RedisServer
+from kvfleet.local.redis_server import RedisServer
 from tests.conftest import start_gateway, stop_process
 from tests.test_batch_api import jsonl, request_line, wait_done
 from tests.test_gateway_proxy import wait_until_routable

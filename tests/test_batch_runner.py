@@ -22,7 +22,7 @@ from kvfleet.gateway.batch.state import FileRecord
 from kvfleet.gateway.batch.wire import BatchApi
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.core import Gateway
-from kvfleet.redis_server import RedisServer
+from kvfleet.local.redis_server import RedisServer
 from tests.test_batch_api import jsonl, request_line
 
 

@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from kvfleet.redis_server import RedisServer
+from kvfleet.local.redis_server import RedisServer
 from tests.conftest import start_gateway, stop_process
 from tests.s3_server import S3Server
 from tests.test_batch_api import client, jsonl, output_lines, request_line, wait_done

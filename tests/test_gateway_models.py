@@ -225,7 +225,7 @@ def test_a_gateway_serves_every_selected_inference_fleet_and_drops_one_that_goes
                                                                                 tmp_path, monkeypatch) -> None:
     from kubernetes import client
 
-    from kvfleet.kube_emulator import KubeEmulator
+    from kvfleet.local.kube_emulator import KubeEmulator
 
     emulator = KubeEmulator().start()
     try:

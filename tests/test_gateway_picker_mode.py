@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvfleet.gateway.envoy.front import envoy_binary
 from kvfleet.gateway.envoy.picker_mode import EXT_PROC_SERVICE
-from kvfleet.supervisor import spawn
+from kvfleet.local.supervisor import spawn
 from tests.conftest import _launch, free_port, start_gateway, stop_process
 from tests.test_gateway_proxy import wait_until_routable
 

@@ -19,7 +19,7 @@ from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.envoy.bootstrap import PICKER_MESSAGE_TIMEOUT_S, build_bootstrap
 from kvfleet.gateway.envoy.eds import envoy_address, write_endpoints
 from kvfleet.gateway.envoy.front import envoy_binary
-from kvfleet.supervisor import spawn
+from kvfleet.local.supervisor import spawn
 from tests.conftest import free_port, start_engine_servers, start_gateway, stop_process
 from tests.test_fault_drills import LONG, complete, saturated, until
 from tests.test_gateway_proxy import wait_until_routable

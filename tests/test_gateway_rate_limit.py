@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from kvfleet.gateway.limits import rate_limit
 from kvfleet.gateway.limits.keys import KeyInfo
 from kvfleet.gateway.limits.rate_limit import RateLimiter, Verdict, decide
-from kvfleet.redis_server import RedisServer
+from kvfleet.local.redis_server import RedisServer
 
 T0 = 1_700_000_000.25  # an injected clock: the tests move time by passing `now`
 

@@ -2,7 +2,7 @@
 (kvfleet.fleet) and themselves (the engine also runs the kernels), and the contract imports no component.
 
 Every `import` and `from ... import` counts, wherever it stands (inside functions, under TYPE_CHECKING), and
-relative imports are resolved. The composition root (kvfleet.cli, kvfleet.local_*, kvfleet.loadgen, ...) is any
+relative imports are resolved. The composition root (kvfleet.cli, kvfleet.local.*, kvfleet.loadgen, ...) is any
 other kvfleet module: it may import the components, never the other way round.
 """
 
@@ -87,13 +87,13 @@ def test_the_checker_names_file_and_line_of_each_crossing() -> None:
               "from kvfleet.kernels import attention\n"
               "def late():\n"
               "    from kvfleet.gateway.routing.pick import pick\n"
-              "    import kvfleet.local_fleet\n"
+              "    import kvfleet.local.fleet\n"
               "from .. import cli\n"
               "from kvfleet import operator\n")
     assert violations(source, "kvfleet.engine.scheduler", "engine/scheduler.py") == [
         "engine/scheduler.py:5: kvfleet.engine.scheduler imports kvfleet.gateway.routing.pick "
         "(kvfleet.engine may import only kvfleet.engine, kvfleet.fleet, kvfleet.kernels)",
-        "engine/scheduler.py:6: kvfleet.engine.scheduler imports kvfleet.local_fleet "
+        "engine/scheduler.py:6: kvfleet.engine.scheduler imports kvfleet.local.fleet "
         "(kvfleet.engine may import only kvfleet.engine, kvfleet.fleet, kvfleet.kernels)",
         "engine/scheduler.py:7: kvfleet.engine.scheduler imports kvfleet.cli "
         "(kvfleet.engine may import only kvfleet.engine, kvfleet.fleet, kvfleet.kernels)",
@@ -108,3 +108,14 @@ def test_the_checker_holds_the_contract_and_the_kernels_to_their_own_rules() -> 
     assert violations("import kvfleet.engine\n", "kvfleet.kernels.attention", "k.py")
     assert violations("from . import handlers\n", "kvfleet.operator", "operator/__init__.py", is_package=True) == []
     assert violations("from .config import X\n", "kvfleet.gateway.app", "g.py") == []
+
+
+def test_the_engine_core_never_imports_its_http_side() -> None:
+    """engine/server/ (the HTTP API and the process) calls the core through AsyncEngine; the core runs without it
+    (`kvfleet chat`, LLMEngine from Python)."""
+    found = [f"{path.relative_to(ROOT)}:{line}: {module} imports {name}"
+             for path, module, is_package in checked_files()
+             if _within(module, "kvfleet.engine") and not _within(module, "kvfleet.engine.server")
+             for line, name in imported_modules(path.read_text(), module, is_package)
+             if _within(name, "kvfleet.engine.server")]
+    assert found == [], "\n".join(found)

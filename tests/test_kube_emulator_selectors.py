@@ -1,4 +1,4 @@
-"""The local Kubernetes API (KMock's emulator, kvfleet/kube_emulator.py) honours label selectors on lists and
+"""The local Kubernetes API (KMock's emulator, kvfleet/local/kube_emulator.py) honours label selectors on lists and
 watches, as a real API server does: without it, every fleet's operator loop and the gateway's discovery saw every
 fleet's pods (KMock 0.8 ignores labelSelector)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from kubernetes import client, watch
 
-from kvfleet.kube_emulator import KubeEmulator, selects
+from kvfleet.local.kube_emulator import KubeEmulator, selects
 
 
 @pytest.mark.parametrize(("selector", "labels", "selected"), [

@@ -26,9 +26,9 @@ import psutil
 import pytest
 from kubernetes import client
 
-from kvfleet.kube_tables import human_age
-from kvfleet.local_cluster import ClusterSpec, LocalCluster, default_fleet, route_chatty_logs, unroute_chatty_logs
-from kvfleet.local_kubelet import PodProcess, local_command, pods_to_stop
+from kvfleet.local.cluster import ClusterSpec, LocalCluster, default_fleet, route_chatty_logs, unroute_chatty_logs
+from kvfleet.local.kube_tables import human_age
+from kvfleet.local.kubelet import PodProcess, local_command, pods_to_stop
 from tests.conftest import free_port
 from tests.lora_adapters import make_adapter
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from kvfleet.local_fleet import FleetSpec, LocalFleet
+from kvfleet.local.fleet import FleetSpec, LocalFleet
 from tests.conftest import free_port
 from tests.test_gateway_proxy import wait_until_routable
 
@@ -172,6 +172,6 @@ def test_an_engine_that_exits_starts_again_on_its_port_after_a_growing_back_off(
 
 
 def test_restart_back_off_is_a_kubelets_from_no_wait() -> None:
-    from kvfleet.local_fleet import restart_delay_s
+    from kvfleet.local.fleet import restart_delay_s
 
     assert [restart_delay_s(n) for n in range(1, 10)] == [0, 10, 20, 40, 80, 160, 300, 300, 300]

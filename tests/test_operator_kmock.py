@@ -25,8 +25,8 @@ from kubernetes import client
 from kubernetes.client import ApiClient
 
 from kvfleet.fleet.redis_keys import queue_key
-from kvfleet.kube_emulator import KubeEmulator
-from kvfleet.redis_server import RedisServer
+from kvfleet.local.kube_emulator import KubeEmulator
+from kvfleet.local.redis_server import RedisServer
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")

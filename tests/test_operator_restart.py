@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from kvfleet.kube_emulator import KubeEmulator
+from kvfleet.local.kube_emulator import KubeEmulator
 from tests.test_operator_kmock import FLEETS, NS, MetricsServer, create_fleet, engine_pod, eventually, replicas
 
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")

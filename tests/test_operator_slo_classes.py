@@ -29,11 +29,11 @@ from kvfleet.fleet.slo_stats import (
     slot_start,
     ttft_bucket,
 )
-from kvfleet.kube_emulator import KubeEmulator
+from kvfleet.local.kube_emulator import KubeEmulator
+from kvfleet.local.redis_server import RedisServer
 from kvfleet.operator.crd import build_crd
 from kvfleet.operator.fleet_spec import InvalidSpec, parse_fleet
 from kvfleet.operator.planner import Capacity
-from kvfleet.redis_server import RedisServer
 from tests.test_operator_kmock import FLEETS, create_fleet, eventually
 
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")

@@ -30,8 +30,8 @@ from kvfleet.fleet.engine_settings import (
     flag_fields,
     flag_name,
 )
-from kvfleet.local_cluster import default_fleet
-from kvfleet.local_fleet import FleetSpec as LocalFleetSpec
+from kvfleet.local.cluster import default_fleet
+from kvfleet.local.fleet import FleetSpec as LocalFleetSpec
 from kvfleet.operator.autoscaler import AutoscalingPolicy
 from kvfleet.operator.crd import build_crd
 from kvfleet.operator.fleet_fields import AUTOSCALING_ENABLED, AUTOSCALING_FIELDS, SPEC_FIELDS

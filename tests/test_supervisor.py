@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet.supervisor import ChildExited, NotReady, Supervisor, spawn
+from kvfleet.local.supervisor import ChildExited, NotReady, Supervisor, spawn
 from tests.conftest import free_port
 
 # On SIGTERM: note it, take `linger` seconds (as an engine draining), note the exit, exit 0.

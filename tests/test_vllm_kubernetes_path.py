@@ -19,7 +19,7 @@ from e2e import conftest as e2e_target
 from e2e import test_scenarios as scenarios
 from kvfleet.fleet.cpu_features import flags_have_bf16, host_cpu_flags
 from kvfleet.fleet.vllm_serve import cpu_dtype_args
-from kvfleet.local_cluster import ClusterSpec, LocalCluster
+from kvfleet.local.cluster import ClusterSpec, LocalCluster
 from tests.conftest import free_port
 from tests.lora_adapters import make_adapter
 from tests.vllm_engines import ENGINE_ARGS, SERVED, require_vllm

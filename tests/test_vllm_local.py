@@ -16,9 +16,9 @@ import pytest
 
 from kvfleet.fleet.cpu_features import cpu_flags
 from kvfleet.fleet.vllm_serve import cpu_dtype_args, kv_events_config, serve_args, with_kv_events_port
-from kvfleet.local_fleet import FleetSpec
-from kvfleet.local_kubelet import PodProcess, least_used_core, local_command, readiness_path
-from kvfleet.vllm_local import (
+from kvfleet.local.fleet import FleetSpec
+from kvfleet.local.kubelet import PodProcess, least_used_core, local_command, readiness_path
+from kvfleet.local.vllm import (
     CPU_CONSTRAINTS,
     REQUIREMENTS,
     VLLM_ENV,

@@ -47,7 +47,7 @@ def test_the_wheel_holds_every_module_of_the_tree(wheel: Path) -> None:
     held = set(zipfile.ZipFile(wheel).namelist())
     missing = sorted(modules_in_the_tree() - held)
     assert not missing, f"in the tree but not in the wheel (pyproject's [tool.setuptools] packages): {missing}"
-    assert "kvfleet/vllm_constraints_cpu.txt" in held  # `kvfleet vllm install` pins the vLLM venv by it
+    assert "kvfleet/local/vllm_constraints_cpu.txt" in held  # `kvfleet vllm install` pins the vLLM venv by it
 
 
 def test_an_installed_wheel_imports_every_module_and_runs_its_commands(wheel: Path, tmp_path: Path) -> None:

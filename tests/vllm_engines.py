@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from kvfleet.fleet.ports import free_port
-from kvfleet.local_fleet import FleetSpec, LocalFleet
-from kvfleet.vllm_local import VllmInstall, VllmNotInstalled, find_vllm
+from kvfleet.local.fleet import FleetSpec, LocalFleet
+from kvfleet.local.vllm import VllmInstall, VllmNotInstalled, find_vllm
 
 REQUIRE_ENV = "KVFLEET_REQUIRE_VLLM"
 SERVED = "smollm2-135m-instruct"

@@ -14,7 +14,7 @@ unhealthy and the gateway's waits on it end at once (EndpointPool.mark_unreachab
 
 Scrapes run ~13 times a second per engine, requests or not, so they have their own aiohttp session: a GET costs
 about a quarter of the CPU of one through httpx (2,000 scrapes of a tiny engine on loopback: ~0.24 vs ~0.9 ms).
-/metrics is open on engines (engine/api_key.py), so no engine token is sent; like Envoy, it reaches engines
+/metrics is open on engines (engine/server/api_key.py), so no engine token is sent; like Envoy, it reaches engines
 directly, never through a proxy named in the environment.
 """
 

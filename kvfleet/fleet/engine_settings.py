@@ -118,7 +118,8 @@ class EngineSettings:
                                      "the gateway's Batch API runner sends them so) sit out each step in which a "
                                      "higher-priority request prefills or waits (kvfleet's; measured: no gain in "
                                      "interactive p99 TTFT on CPUs)")
-    # vLLM's flag: POST /sleep frees the KV cache of an idle engine, POST /wake_up takes it back (engine/sleep_api.py)
+    # vLLM's flag: POST /sleep frees the KV cache of an idle engine, POST /wake_up takes it back
+    # (engine/server/sleep_api.py)
     enable_sleep_mode: bool = setting(False, help="serve POST /sleep, POST /wake_up and GET /is_sleeping (vLLM's): "
                                       "an idle engine releases its KV cache and wakes in about a second, for an "
                                       "autoscaler's warm pool")
@@ -233,7 +234,7 @@ class Profile:
 
 # `kvfleet up`: several engines share one laptop's cores and memory, so each batches fewer, shorter sequences.
 LOCAL_FLEET = Profile(max_num_seqs=64, max_model_len=FLEET_MAX_MODEL_LEN, kv_cache_memory="512MiB")
-# `kvfleet up --kubernetes`'s default InferenceFleet (local_cluster.default_fleet): a laptop-sized CPU fleet.
+# `kvfleet up --kubernetes`'s default InferenceFleet (kvfleet/local/cluster.py default_fleet): a laptop-sized CPU fleet.
 LOCAL_CLUSTER = Profile(max_num_seqs=16, max_model_len=FLEET_MAX_MODEL_LEN, kv_cache_memory="256Mi")
 # The gateway benchmarks: engines saturate after a few sequences, so routing and queueing decide what a client sees.
 BENCH = Profile(max_num_seqs=4)

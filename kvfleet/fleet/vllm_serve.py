@@ -1,5 +1,5 @@
 """`vllm serve` as kvfleet runs it, one source for the operator's vLLM pods (operator/vllm_runtime.py) and the vLLM
-engines started on this machine (kvfleet/vllm_local.py: `kvfleet up --runtime vllm`, the local cluster, the tests
+engines started on this machine (kvfleet/local/vllm.py: `kvfleet up --runtime vllm`, the local cluster, the tests
 and benches): the model under its served name, prefix caching on, KV events published over ZMQ in vLLM's format for
 the gateway's precise index, and the engine settings an InferenceFleet exposes under vLLM's flag names (kvfleet's
 engine takes the same names).
@@ -8,7 +8,7 @@ vLLM's publisher binds its PUB and replay sockets only for a wildcard host (`tcp
 127.0.0.1 it connects out instead, to a subscriber that must bind. So both are wildcard binds; the gateway reads them
 on the engine's /kv_event_sources and dials the engine's own address (gateway/prefix/events_zmq.py). Port 0 binds
 both on the address in VLLM_HOST_IP, on ports of the OS's choosing, which /kv_event_sources then reports: how engines
-sharing one machine's loopback keep their events off the network (kvfleet/vllm_local.py)."""
+sharing one machine's loopback keep their events off the network (kvfleet/local/vllm.py)."""
 
 from __future__ import annotations
 

@@ -13,13 +13,13 @@ from typing import NoReturn
 
 import uvicorn
 
-from kvfleet.engine.api_server import ServerState, build_app
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import EngineConfig
-from kvfleet.engine.kv_events_zmq import VllmKVEvents, ZmqKVEventPublisher
 from kvfleet.engine.llm_engine import LLMEngine
-from kvfleet.engine.request_checks import max_prompt_chars
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.server.api_server import ServerState, build_app
+from kvfleet.engine.server.kv_events_zmq import VllmKVEvents, ZmqKVEventPublisher
+from kvfleet.engine.server.request_checks import max_prompt_chars
 from kvfleet.fleet.http_server import server_config
 
 log = logging.getLogger("kvfleet.engine")

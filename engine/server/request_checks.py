@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
-from kvfleet.engine.protocol import (
+from kvfleet.engine.server.protocol import (
     DetokenizeRequest,
     LoadLoraAdapterRequest,
     TokenizeRequest,

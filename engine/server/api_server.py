@@ -21,18 +21,27 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from kvfleet.engine.api_key import EngineAPIKey
 from kvfleet.engine.async_engine import AsyncEngine, EngineDeadError
 from kvfleet.engine.kv_event_hub import KVEventHub
-from kvfleet.engine.kv_events_api import install_kv_event_routes
-from kvfleet.engine.kv_events_zmq import VllmKVEvents
 from kvfleet.engine.llm_engine import EngineAsleepError, RequestError
-from kvfleet.engine.lora_api import adapter_cards, install_lora_routes, requested_adapter
 from kvfleet.engine.lora_registry import LoraSpec
 from kvfleet.engine.metrics import EngineMetrics
-from kvfleet.engine.openai_responses import Reply, chat_body, chat_events, completion_body, completion_events, sse
 from kvfleet.engine.outputs import RequestOutput
-from kvfleet.engine.protocol import (
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.scheduler import QueueFullError
+from kvfleet.engine.server.api_key import EngineAPIKey
+from kvfleet.engine.server.kv_events_api import install_kv_event_routes
+from kvfleet.engine.server.kv_events_zmq import VllmKVEvents
+from kvfleet.engine.server.lora_api import adapter_cards, install_lora_routes, requested_adapter
+from kvfleet.engine.server.openai_responses import (
+    Reply,
+    chat_body,
+    chat_events,
+    completion_body,
+    completion_events,
+    sse,
+)
+from kvfleet.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestSchemaError,
@@ -40,12 +49,10 @@ from kvfleet.engine.protocol import (
     check_against_model,
     sampling_params,
 )
-from kvfleet.engine.request_checks import StrictJSONRoute, check_prompt_chars
-from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.scheduler import QueueFullError
-from kvfleet.engine.sglang_compat_api import install_sglang_compat_routes
-from kvfleet.engine.sleep_api import install_sleep_routes
-from kvfleet.engine.vllm_compat_api import install_vllm_compat_routes
+from kvfleet.engine.server.request_checks import StrictJSONRoute, check_prompt_chars
+from kvfleet.engine.server.sglang_compat_api import install_sglang_compat_routes
+from kvfleet.engine.server.sleep_api import install_sleep_routes
+from kvfleet.engine.server.vllm_compat_api import install_vllm_compat_routes
 from kvfleet.fleet.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvfleet.fleet.errors import APIError, engine_fault, install_error_handlers
 from kvfleet.fleet.headers import RETRY_AFTER

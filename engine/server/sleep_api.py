@@ -6,7 +6,7 @@ Asleep, the engine answers generation requests 503 `engine_asleep` (a gateway tr
 (`sleeping`: Kubernetes takes it out of the Service); /health stays 200, it is alive. Sleeping with requests in flight
 is a 409, unless `drain=true` (kvfleet's): then /ready turns 503 at once, the engine still serves what reaches it
 meanwhile, and sleeps as soon as no request runs (202, `sleep_pending`; /wake_up cancels it). /sleep and /wake_up need
-the engine token when one is set (engine/api_key.py).
+the engine token when one is set (engine/server/api_key.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`kvfleet up --kubernetes`: the Kubernetes path on one machine, without a cluster.
 
 An API emulator (KMock) stands in for the API server; the real operator (`kvfleet operator`) reconciles an
-InferenceFleet there and autoscales it; a local kubelet (kvfleet/local_kubelet.py) turns the engine Deployment into
+InferenceFleet there and autoscales it; a local kubelet (kvfleet/local/kubelet.py) turns the engine Deployment into
 engine processes and Pods; the real gateway discovers those Pods through the API and queues in an embedded Redis.
 The e2e scenarios (e2e/) run against this in CI, and against a kind cluster where Docker exists.
 """
@@ -23,9 +23,12 @@ from pathlib import Path
 
 from kvfleet.fleet.engine_settings import DEFAULT_MODEL, LOCAL_CLUSTER
 from kvfleet.fleet.ports import free_ports, port_is_free
-from kvfleet.kube_emulator import KubeEmulator
-from kvfleet.local_fleet import ENGINE_API_KEY_ENV, engine_env, run_until_signal, say
-from kvfleet.local_kubelet import LocalKubelet
+from kvfleet.local.fleet import ENGINE_API_KEY_ENV, engine_env, run_until_signal, say
+from kvfleet.local.kube_emulator import KubeEmulator
+from kvfleet.local.kubelet import LocalKubelet
+from kvfleet.local.redis_server import RedisServer
+from kvfleet.local.supervisor import Child, Supervisor, http_ok, kvfleet_command
+from kvfleet.local.vllm import ensure_vllm
 from kvfleet.operator.fleet_spec import (
     DEFAULT_IMAGE,
     ENGINE_API_KEY_SECRET_KEY,
@@ -36,9 +39,6 @@ from kvfleet.operator.fleet_spec import (
     InvalidSpec,
     parse_fleet,
 )
-from kvfleet.redis_server import RedisServer
-from kvfleet.supervisor import Child, Supervisor, http_ok, kvfleet_command
-from kvfleet.vllm_local import ensure_vllm
 
 ENGINE_AUTH_SECRET = "kvfleet-engine-auth"  # as the chart's <release>-kvfleet-engine-auth
 
@@ -96,7 +96,7 @@ class ClusterSpec:
     autoscale_interval_s: float = 15.0
     gateway_args: list[str] = field(default_factory=list)
     ready_timeout_s: float = 600.0
-    vllm: str | None = None  # the `vllm` that runs a `runtime: vllm` fleet's pods (default: as kvfleet/vllm_local.py)
+    vllm: str | None = None  # the `vllm` that runs a `runtime: vllm` fleet's pods (default: as kvfleet/local/vllm.py)
     verbose: bool = False  # the API emulator's access log and the local kubelet's lines in the terminal too
 
 

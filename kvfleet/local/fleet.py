@@ -24,10 +24,10 @@ from kvfleet.fleet.lora import ADAPTER_CONFIG, MAX_LORAS_DEFAULT, adapter_rank, 
 from kvfleet.fleet.ports import free_ports, port_is_free
 from kvfleet.fleet.vllm_serve import HEALTH_PATH, serve_args
 from kvfleet.gateway.models.routes import check_model_name
-from kvfleet.redis_server import RedisServer
-from kvfleet.supervisor import Child, Supervisor, kvfleet_command, previous_log
-from kvfleet.vllm_local import core_groups, ensure_vllm, local_dtype_args
-from kvfleet.vllm_local import engine_env as vllm_engine_env
+from kvfleet.local.redis_server import RedisServer
+from kvfleet.local.supervisor import Child, Supervisor, kvfleet_command, previous_log
+from kvfleet.local.vllm import core_groups, ensure_vllm, local_dtype_args
+from kvfleet.local.vllm import engine_env as vllm_engine_env
 
 # The engines' shared token (issue 13): `kvfleet engine --api-key` and `kvfleet gateway --engine-api-key` read it.
 ENGINE_API_KEY_ENV = "KVFLEET_ENGINE_API_KEY"
@@ -75,7 +75,7 @@ class FleetSpec:
     max_num_seqs: int = LOCAL_FLEET.max_num_seqs
     fleet: str = "local"
     routing: str = "kvfleet"
-    runtime: str = "kvfleet"  # or "vllm": vLLM engines (kvfleet/vllm_local.py) behind the same gateway
+    runtime: str = "kvfleet"  # or "vllm": vLLM engines (kvfleet/local/vllm.py) behind the same gateway
     vllm: str | None = None  # the `vllm` to run (default: $KVFLEET_VLLM, else the managed install)
     engine_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)

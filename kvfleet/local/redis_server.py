@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from kvfleet.fleet.ports import free_port
-from kvfleet.supervisor import Child, ChildExited, NotReady, spawn
+from kvfleet.local.supervisor import Child, ChildExited, NotReady, spawn
 
 
 class RedisServerError(RuntimeError):

@@ -16,7 +16,7 @@ from fastapi.responses import PlainTextResponse
 
 from kvfleet.engine.lora_adapter import AdapterError
 from kvfleet.engine.lora_registry import LoraNotFoundError, LoraRegistry, LoraSpec
-from kvfleet.engine.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from kvfleet.engine.server.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from kvfleet.fleet.errors import APIError
 
 log = logging.getLogger("kvfleet.engine")

@@ -1,7 +1,7 @@
 """A Kubernetes API on loopback for the local fleet and the tests: KMock's emulator (by kopf's author).
 
 It serves the built-in resources and the InferenceFleet resource as stored objects: no scheduler, no controllers,
-no garbage collector, no admission. kvfleet/local_kubelet.py plays the controllers' part for engine Deployments.
+no garbage collector, no admission. kvfleet/local/kubelet.py plays the controllers' part for engine Deployments.
 What it lacks (and how kvfleet copes) is listed where it matters: in the local kubelet and the tests.
 """
 
@@ -16,7 +16,7 @@ import uuid
 import warnings
 from pathlib import Path
 
-from kvfleet.kube_tables import pods_table, printer_columns_table, wants_table
+from kvfleet.local.kube_tables import pods_table, printer_columns_table, wants_table
 from kvfleet.operator.fleet_spec import GROUP, PLURAL, VERSION
 
 

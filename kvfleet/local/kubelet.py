@@ -1,13 +1,13 @@
 """The controllers and kubelet of a one-machine cluster: engine Deployments in the API become engine processes.
 
-Against the API emulator (kvfleet/kube_emulator.py), which stores objects but runs nothing, this does what a
+Against the API emulator (kvfleet/local/kube_emulator.py), which stores objects but runs nothing, this does what a
 ReplicaSet controller and the kubelet do for the operator's engine Deployments, and only that:
 - keeps `spec.replicas` engine processes per Deployment, running its container's command and args (host and
   port swapped for 127.0.0.1 and a free port) with its env (secretKeyRef values read from the Secret), each shown
   as a Pod with the template's labels, podIP 127.0.0.1 and the real port as the `http` container port;
 - marks a Pod Ready while its readiness probe's path answers 200 (/ready; vLLM's /health), and writes the
   Deployment's status;
-- runs a `vllm` container with this machine's vLLM (kvfleet/vllm_local.py), its model from the node's cache, its KV
+- runs a `vllm` container with this machine's vLLM (kvfleet/local/vllm.py), its model from the node's cache, its KV
   events on loopback, pinned to the core fewest pods use (as a static CPU manager would);
 - a Pod deleted through the API has its process stopped with SIGTERM (the engine drains, as after preStop);
   a process that exits on its own has its Pod deleted, and a new one takes its place.
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet.fleet.ports import free_port
-from kvfleet.supervisor import Child, Supervisor, http_ok
-from kvfleet.vllm_local import VllmInstall
+from kvfleet.local.supervisor import Child, Supervisor, http_ok
+from kvfleet.local.vllm import VllmInstall
 
 log = logging.getLogger("kvfleet.local")
 ENGINE_APP = "kvfleet-engine"
@@ -63,7 +63,7 @@ def pods_to_stop(pods: list[PodProcess], desired: int) -> list[PodProcess]:
 
 def local_command(container: dict, port: int, vllm: Callable[[list[str]], list[str]] | None = None) -> list[str]:
     """The container's command and args, listening on 127.0.0.1:port; `kvfleet` runs as this Python's module, and
-    `vllm` as `vllm(argv)` makes it (kvfleet/vllm_local.py: local_serve_argv)."""
+    `vllm` as `vllm(argv)` makes it (kvfleet/local/vllm.py: local_serve_argv)."""
     argv = [*container.get("command", []), *container.get("args", [])]
     if argv and argv[0] == "kvfleet":
         argv = [sys.executable, "-m", "kvfleet.cli", *argv[1:]]
@@ -153,7 +153,7 @@ class LocalKubelet:
         argv, cores = local_command(container, port), ()
         if container.get("command", [None])[0] == "vllm":
             from kvfleet.engine.model_files import resolve_model
-            from kvfleet.vllm_local import engine_env, find_vllm, local_serve_argv
+            from kvfleet.local.vllm import engine_env, find_vllm, local_serve_argv
 
             self.vllm = self.vllm or find_vllm()
             cores = (least_used_core(list(self.pods.values()), sorted(os.sched_getaffinity(0))),)

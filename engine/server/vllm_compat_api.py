@@ -15,10 +15,10 @@ import uuid
 
 from fastapi import FastAPI, Request
 
-from kvfleet.engine.lora_api import requested_adapter
-from kvfleet.engine.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from kvfleet.engine.request_checks import check_prompt_chars
-from kvfleet.engine.sglang_compat_api import VERSION
+from kvfleet.engine.server.lora_api import requested_adapter
+from kvfleet.engine.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvfleet.engine.server.request_checks import check_prompt_chars
+from kvfleet.engine.server.sglang_compat_api import VERSION
 from kvfleet.fleet.errors import APIError
 
 KV_EVENT_SOURCES_PATH = "/kv_event_sources"
