@@ -35,7 +35,7 @@ def model_dir(model: str) -> Path:
         return resolve_model(model)
     out = default_cache_dir() / "bench-tiny-llama"
     if not (out / "config.json").exists():
-        from tests.tiny_model import build_tiny_llama
+        from tests.support.tiny_model import build_tiny_llama
 
         build_tiny_llama(out, resolve_model("smollm2-135m-instruct"))
     return out

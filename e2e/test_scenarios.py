@@ -203,7 +203,7 @@ def test_idle_traffic_scales_down(target) -> None:
 def test_helm_uninstall_leaves_nothing_behind(target) -> None:
     if not target.on_kind:
         pytest.skip("needs a real cluster with the chart installed (e2e/kind.sh); the local cluster has no helm "
-                    "release, and tests/test_local_cluster.py checks that stopping it leaves no process behind")
+                    "release, and tests/kvfleet/local/test_cluster.py checks that stopping it leaves no process behind")
     release, namespace = os.environ.get("KVFLEET_E2E_RELEASE", "kvfleet"), target.namespace
     apps, core = client.AppsV1Api(target.api_client()), client.CoreV1Api(target.api_client())
     client.CustomObjectsApi(target.api_client()).delete_namespaced_custom_object(

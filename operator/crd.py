@@ -37,7 +37,7 @@ def _open_bound(rule: str, message: str) -> dict:
     return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
 
 
-# SloClass.__post_init__'s bounds in schema form (tests/test_operator_slo_classes.py probes both at the edges).
+# SloClass.__post_init__'s bounds in schema form (tests/operator/test_slo_classes.py probes both at the edges).
 SLO_FIELD_BOUNDS = {
     "ttftSeconds": {"minimum": 0, "maximum": 3600, **_open_bound("self > 0.0", "ttftSeconds must be above 0")},
     "attainment": {"minimum": 0, "maximum": 1,

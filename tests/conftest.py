@@ -30,7 +30,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A random-weight 3-layer Llama with grouped-query attention and SmolLM2's tokenizer."""
-    from tests.tiny_model import build_tiny_llama
+    from tests.support.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
@@ -178,8 +178,8 @@ def redis_server_module():
 @pytest.fixture(scope="session")
 def vllm_fleet():
     """`kvfleet up --runtime vllm` (two real vLLM engines behind a gateway), started once and shared: vLLM takes
-    a minute to start (tests/vllm_engines.py)."""
-    from tests.vllm_engines import require_vllm, start_vllm_fleet
+    a minute to start (tests/support/vllm_engines.py)."""
+    from tests.support.vllm_engines import require_vllm, start_vllm_fleet
 
     fleet = start_vllm_fleet(require_vllm())
     yield fleet

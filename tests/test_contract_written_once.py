@@ -4,12 +4,12 @@ no other module of the components or the core package spells one out as a string
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from kvfleet.fleet import headers, metrics
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ("engine", "gateway", "operator", "kernels", "kvfleet")
+
 CONTRACT = ROOT / "kvfleet" / "fleet"
 REDIS_HASH_TAG = "kvfleet:{"  # how every Redis key of a fleet starts
 

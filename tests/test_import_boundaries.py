@@ -11,9 +11,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import ROOT
 
 # What each checked package may import of kvfleet.*, besides the standard library and third-party packages.
+
 ALLOWED = {
     "kvfleet.engine": ("kvfleet.engine", "kvfleet.fleet", "kvfleet.kernels"),
     "kvfleet.gateway": ("kvfleet.gateway", "kvfleet.fleet"),

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import ROOT
 
 
 def test_ruff_finds_nothing() -> None:

@@ -37,8 +37,10 @@ from kvfleet.operator.crd import build_crd
 from kvfleet.operator.fleet_fields import AUTOSCALING_ENABLED, AUTOSCALING_FIELDS, SPEC_FIELDS
 from kvfleet.operator.fleet_spec import FleetEngineSettings, FleetSpec, InvalidSpec, parse_fleet
 from kvfleet.operator.warm_pool_spec import WarmPool
+from tests.support.paths import CHART
 
 SPEC_SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
 MINIMAL = {"model": "m"}
 
 
@@ -86,12 +88,12 @@ def test_the_crds_autoscaling_and_spec_defaults_are_the_parsers_and_the_policys(
     auto_schema = SPEC_SCHEMA["properties"]["autoscaling"]["properties"]
     fleet = parse_fleet("f", "ns", MINIMAL)
     # The structured fields: sloClasses defaults from kvfleet/fleet/slo.py, capacity has no default (absent: the pods
-    # measure theirs); both in tests/test_operator_slo_classes.py
+    # measure theirs); both in tests/operator/test_slo_classes.py
     assert set(auto_schema) == {f.name for f in (AUTOSCALING_ENABLED, *AUTOSCALING_FIELDS)} | {"sloClasses",
                                                                                                   "capacity",
                                                                                                   "warmPool"}
     assert "default" not in auto_schema["capacity"] and fleet.autoscaling.capacity is None
-    # warmPool: absent is no pool; its fields' defaults are WarmPool's (tests/test_operator_warm_pool.py)
+    # warmPool: absent is no pool; its fields' defaults are WarmPool's (tests/operator/test_warm_pool.py)
     warm = auto_schema["warmPool"]["properties"]
     assert fleet.warm_pool is None and warm["replicas"]["default"] == 0
     assert warm["wakeSeconds"]["default"] == WarmPool().wake_s
@@ -214,13 +216,12 @@ def test_the_gateway_flags_defaults_are_gatewayconfigs() -> None:
 def test_the_charts_gateway_values_are_the_gateways_defaults_and_choices() -> None:
     """values.yaml restates a few `kvfleet gateway` defaults (helm users read them there); they must be the same."""
     import json
-    from pathlib import Path
 
     import yaml
 
     from kvfleet.gateway.config import GatewayConfig
     from kvfleet.gateway.routing.strategies import STRATEGIES
-    chart = Path(__file__).resolve().parent.parent / "charts" / "kvfleet"
+    chart = CHART
     values = yaml.safe_load((chart / "values.yaml").read_text())["gateway"]
     schema = json.loads((chart / "values.schema.json").read_text())["properties"]["gateway"]["properties"]
     defaults = GatewayConfig()

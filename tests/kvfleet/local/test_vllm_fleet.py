@@ -1,0 +1,282 @@
+"""The fleet on real vLLM engines: `kvfleet up --runtime vllm` (two vLLM engines, one core each, behind kvfleet's
+gateway), asked as a user would, with the official OpenAI client where it applies. vLLM's own counters are the
+referee: the prefix hits the gateway's index predicts are the hits vLLM then reports.
+
+The engines start once for the session (tests/support/vllm_engines.py); every test leaves them idle."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from kvfleet.fleet import headers
+from kvfleet.gateway.routing.pick import SaturationPolicy
+from kvfleet.operator.fleet_spec import parse_fleet
+from tests.conftest import start_engine_server, start_gateway, stop_process
+from tests.support.commands import capacity_command
+from tests.support.engines import saturated
+from tests.support.vllm_engines import BLOCK_SIZE, MAX_NUM_SEQS, SERVED, START_TIMEOUT_S, metric
+
+CHUNK_FIELDS = {"id", "object", "created", "model", "choices", "usage"}  # an OpenAI stream chunk's
+
+
+@pytest.fixture
+def vllm(vllm_fleet):
+    vllm_fleet.wait_idle()
+    yield vllm_fleet
+    vllm_fleet.wait_idle()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def system_prompt(words: int = 450) -> str:
+    """A prompt of its own per call, several of vLLM's 128-token blocks long."""
+    tag = uuid.uuid4().hex[:8]
+    return " ".join(f"Rule {k} of deployment {tag}: answer briefly." for k in range(words // 6))
+
+
+def test_up_serves_chat_streams_and_completions_from_vllm_through_the_gateway(vllm) -> None:
+    c = client(vllm.url)
+    chat = c.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Say hi."}], max_tokens=5)
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.choices[0].message.content
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    assert 0 < chat.usage.completion_tokens <= 5
+    chunks = list(c.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Count to 9."}],
+                                            max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    text = c.completions.create(model=SERVED, prompt="The capital of France is", max_tokens=3, temperature=0)
+    assert text.usage.completion_tokens == 3 and text.choices[0].finish_reason == "length"
+
+
+def test_vllm_engines_answer_only_with_the_fleets_token(vllm) -> None:
+    body = {"model": SERVED, "prompt": "Hi", "max_tokens": 1}
+    assert httpx.post(f"{vllm.engines[0]}/v1/completions", json=body, timeout=30).status_code == 401
+    assert httpx.post(f"{vllm.engines[0]}/v1/completions", json=body, headers=vllm.token, timeout=30).status_code == 200
+
+
+def test_a_request_vllm_refuses_gets_vllms_400_and_the_engine_stays_in_the_fleet(vllm) -> None:
+    c = client(vllm.url)
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=10**6)
+    assert refused.value.status_code == 400 and "max" in str(refused.value.body).lower()
+    healthy = httpx.get(f"{vllm.url}/ready", timeout=10).json()["healthy"]
+    assert healthy == 2  # the request's failure, not the engine's
+    assert c.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+
+
+def test_the_gateway_follows_vllms_kv_events_and_the_hits_it_predicts_are_the_hits_vllm_reports(vllm) -> None:
+    system = system_prompt()
+    first = ask(vllm.url, system, "First question?")
+    assert_second_question_hits_as_predicted(vllm, vllm.url, first.headers[headers.ENGINE], system)
+
+
+def ask(url: str, system: str, question: str, auth: dict | None = None) -> httpx.Response:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    answer = httpx.post(f"{url}/v1/chat/completions", json={"model": SERVED, "messages": messages, "max_tokens": 1},
+                        headers=auth, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer
+
+
+def assert_second_question_hits_as_predicted(vllm, gateway: str, engine: str, system: str) -> None:
+    """`engine` served a first question under `system`: the gateway's index holds the blocks both questions share
+    (counted by vLLM's own tokenizer and chat template), sends a second question there as a precise prefix match,
+    and vLLM then reports exactly those blocks' tokens as hits."""
+    k = vllm.engines.index(engine)
+    tokens = [httpx.post(f"{engine}/tokenize", headers=vllm.token, timeout=30, json={
+        "model": SERVED, "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]}
+    ).json()["tokens"] for q in ("First question?", "A second one?")]
+    shared = next(n for n, (a, b) in enumerate(zip(*tokens, strict=False)) if a != b)
+    full_blocks = shared // BLOCK_SIZE
+    assert full_blocks >= 3, shared
+    wait_for_blocks(gateway, engine, full_blocks)  # the index has followed vLLM's events of the first prompt
+    hits_before = vllm.engine_metric(k, "vllm:prefix_cache_hits_total")
+    precise_before = metric(gateway, "kvfleet_gateway_routing_decisions_total", reason="prefix_precise")
+    second = ask(gateway, system, "A second one?")
+    assert second.headers[headers.ENGINE] == engine
+    assert metric(gateway, "kvfleet_gateway_routing_decisions_total", reason="prefix_precise") == precise_before + 1
+    assert vllm.engine_metric(k, "vllm:prefix_cache_hits_total") - hits_before == full_blocks * BLOCK_SIZE
+
+
+def wait_for_blocks(url: str, engine: str, blocks: int, timeout_s: float = 10.0) -> None:
+    wait_until(lambda: index_blocks(url, engine) >= blocks, timeout_s,
+               f"the gateway's index never held {blocks} blocks of {engine}")
+
+
+def index_blocks(url: str, engine: str) -> float:
+    return metric(url, "kvfleet_gateway_kv_index_blocks", endpoint=engine)
+
+
+def wait_until(check, timeout_s: float, failure: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(failure)
+        time.sleep(0.1)
+
+
+def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_in_vllms(vllm) -> None:
+    """More requests than the two engines' batches and waiting lists hold: the gateway reads vLLM's running and
+    waiting counts, and holds the rest in its fleet queue, releasing each as a slot frees; every request is answered."""
+    import concurrent.futures
+
+    per_engine = MAX_NUM_SEQS + SaturationPolicy().max_queue  # what one engine takes before it counts as saturated
+    # twice what the engines take: on a busy machine the burst's senders start over a second or more, and answers
+    # that end meanwhile free slots, so fewer than total - 2 * per_engine may wait; an engine's worth still must
+    total = 4 * per_engine
+    # 32 tokens: each answer holds its slot for seconds, longer than the burst takes to send
+    body = {"model": SERVED, "messages": [{"role": "user", "content": "Write a long story about a fleet."}],
+            "max_tokens": 32, "ignore_eos": True}
+    queued_before = metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count")
+    with concurrent.futures.ThreadPoolExecutor(total) as pool:
+        # they may wait longer than the gateway's default 30 s where vLLM is slow (an AVX2-only CPU emulates its
+        # bfloat16): the client says how long it will wait, as any client may
+        answers = list(pool.map(lambda _: httpx.post(f"{vllm.url}/v1/chat/completions", json=body, timeout=300,
+                                                     headers={headers.MAX_QUEUE_MS: "240000"}), range(total)))
+    assert [a.status_code for a in answers] == [200] * total, [a.text[:200] for a in answers if a.status_code != 200]
+    assert all(a.json()["usage"]["completion_tokens"] == 32 for a in answers)
+    assert metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count") - queued_before >= per_engine
+
+
+def test_a_kvfleet_model_and_a_vllm_model_behind_one_gateway_answer_in_the_same_shapes(
+        vllm, tiny_model_dir, redis_server) -> None:
+    """Mixed fleets: each model its own fleet of its own runtime; the same requests give the same OpenAI shapes."""
+    proc, kvfleet_engine = start_engine_server(tiny_model_dir, "--served-model-name", "tiny", "--api-key",
+                                               vllm.fleet.engine_api_key)
+    gateway = None
+    try:
+        gateway, url = start_gateway("--redis-url", redis_server.url, "--engine", f"tiny={kvfleet_engine}",
+                                     *[f for e in vllm.engines for f in ("--engine", f"{SERVED}={e}")],
+                                     "--engine-api-key", vllm.fleet.engine_api_key)
+        shapes = {}
+        for model in ("tiny", SERVED):
+            plain = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                "ignore_eos": True})
+            stream = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True})
+            refused = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**6})
+            events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
+            shapes[model] = {
+                "status": (plain.status_code, stream.status_code, refused.status_code),
+                "usage": sorted(k for k in plain.json()["usage"] if plain.json()["usage"][k] is not None),
+                "finish": plain.json()["choices"][0]["finish_reason"],
+                # vLLM adds fields of its own (system_fingerprint, ...), which OpenAI clients ignore
+                "stream_end": (events[-1], sorted(CHUNK_FIELDS & set(json.loads(events[-2])))),
+                "error": sorted(refused.json()["error"]),
+                "content_type": stream.headers["content-type"].split(";")[0]}
+        assert shapes["tiny"] == shapes[SERVED], shapes
+    finally:
+        if gateway is not None:
+            stop_process(gateway)
+        stop_process(proc)
+
+
+def test_a_gateway_started_later_learns_what_vllm_cached_from_vllms_replay_socket(vllm, redis_server) -> None:
+    """A gateway replica that starts (or reconnects) after vLLM cached a prompt missed its live events: it asks
+    vLLM's replay socket for the buffered batches, and routes the next question under that prompt as a precise hit."""
+    system = system_prompt()
+    ask(vllm.engines[1], system, "First question?", auth=vllm.token)  # straight to the engine: no gateway saw it
+    late, url = start_gateway("--redis-url", redis_server.url, "--engine-api-key", vllm.fleet.engine_api_key,
+                              "--tokenizer", SERVED, *[f for e in vllm.engines for f in ("--engine", e)])
+    try:
+        assert_second_question_hits_as_predicted(vllm, url, vllm.engines[1], system)
+    finally:
+        stop_process(late)
+
+
+def test_a_saturated_kvfleet_model_falls_back_to_a_vllm_model_and_comes_back(vllm, tiny_model_dir,
+                                                                             redis_server) -> None:
+    """The degradation ladder across runtimes: a kvfleet-engine model whose only engine is full lets a request that
+    allows it fall back to the model vLLM serves (and the answer says so); once it has room, its own engine again."""
+    proc, tiny = start_engine_server(tiny_model_dir, "--served-model-name", "tiny", "--max-num-seqs", "1",
+                                     "--max-model-len", "1024", "--kv-cache-memory", "32MiB")
+    gateway = None
+    try:
+        gateway, url = start_gateway("--redis-url", redis_server.url, "--engine", f"tiny={tiny}",
+                                     *[f for e in vllm.engines for f in ("--engine", f"{SERVED}={e}")],
+                                     "--engine-api-key", vllm.fleet.engine_api_key, "--fallback", f"tiny={SERVED}",
+                                     "--saturation-queue", "1")
+        body = {"model": "tiny", "prompt": "tell me more", "max_tokens": 4, "ignore_eos": True}
+        allow = {headers.ALLOW_FALLBACK: "true", headers.PRIORITY: "standard"}
+        with saturated(tiny, "tiny", (url,), served_as="tiny"):
+            fell_back = httpx.post(f"{url}/v1/completions", json=body, headers=allow, timeout=120)
+        assert fell_back.status_code == 200, fell_back.text
+        assert fell_back.json()["model"] == SERVED and fell_back.headers[headers.DEGRADED] == f"fallback={SERVED}"
+        assert fell_back.headers[headers.ENGINE] in vllm.engines
+        assert fell_back.json()["usage"]["completion_tokens"] == 4
+        answers = []
+
+        def served_by_its_own_engine() -> bool:
+            # a scrape that runs late on this busy machine reads as saturated for a moment (stale metrics), and the
+            # request rightly falls back again: what must hold is that the model comes back once its engine has room
+            answers.append(httpx.post(f"{url}/v1/completions", json=body, headers=allow, timeout=120))
+            return answers[-1].json()["model"] == "tiny"
+        wait_until(served_by_its_own_engine, 30, "requests never came back to the kvfleet engine once it had room")
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        assert headers.DEGRADED not in answers[-1].headers and answers[-1].headers[headers.ENGINE] == tiny
+    finally:
+        if gateway is not None:
+            stop_process(gateway)
+        stop_process(proc)
+
+
+def test_a_vllm_engine_that_dies_is_the_engines_failure_and_comes_back_with_the_index_starting_over(vllm) -> None:
+    """Killed outright (its whole process group, as a container dies): requests go on to the other engine, the
+    gateway drops the dead engine's blocks within seconds (its cache died with it), `kvfleet up` starts it again, and
+    the gateway follows the new vLLM's events from nothing, predicting its hits exactly again. Runs last in this
+    module: the restart takes vLLM's start-up time."""
+    engine = vllm.engines[0]
+    ask(engine, system_prompt(), "First question?", auth=vllm.token)
+    wait_for_blocks(vllm.url, engine, 3)
+    os.killpg(vllm.fleet.engines[0].pid, signal.SIGKILL)
+    c = client(vllm.url)
+    for n in range(4):  # the first may have been sent to the dead engine: the gateway retries it elsewhere
+        raw = c.chat.completions.with_raw_response.create(
+            model=SERVED, messages=[{"role": "user", "content": f"Still there {n}?"}], max_tokens=2)
+        assert raw.parse().usage.completion_tokens > 0 and raw.headers[headers.ENGINE] == vllm.engines[1]
+    wait_until(lambda: httpx.get(f"{vllm.url}/ready", timeout=10).json()["healthy"] == 1, 20,
+               "the gateway still counts the dead engine healthy")
+    wait_until(lambda: index_blocks(vllm.url, engine) == 0, 10, "the gateway kept the dead engine's blocks")
+    wait_until(lambda: httpx.get(f"{vllm.url}/ready", timeout=10).json()["healthy"] == 2, START_TIMEOUT_S,
+               "the engine did not come back")
+    assert vllm.fleet.launches["engine-0"].restarts == 1 and vllm.fleet.engines[0].url == engine
+    system = system_prompt()
+    ask(engine, system, "First question?", auth=vllm.token)
+    assert_second_question_hits_as_predicted(vllm, vllm.url, engine, system)
+
+
+def one_stream_rate(url: str, token: dict) -> float:
+    stamps = []
+    with httpx.stream("POST", f"{url}/v1/completions", headers=token, timeout=120, json={
+            "model": SERVED, "prompt": "Count on:", "max_tokens": 48, "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.monotonic())
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def test_kvfleet_bench_capacity_measures_a_vllm_engine_into_a_capacity_the_operator_takes(vllm) -> None:
+    engine = vllm.engines[0]
+    done = capacity_command("--url", engine, "--model", SERVED, "--max-num-seqs", str(MAX_NUM_SEQS),
+                            "--api-key", vllm.fleet.engine_api_key)
+    assert done.returncode == 0, done.stderr
+    capacity = json.loads(done.stdout.splitlines()[0])["capacity"]
+    fleet = parse_fleet("chat", "ns", {"model": SERVED, "runtime": "vllm", "autoscaling": {"capacity": capacity}})
+    assert fleet.autoscaling.capacity.decode_tokens_per_s == capacity["decodeTokensPerSecond"]
+    # a full batch decodes faster than one sequence alone, and prompt tokens go faster than generated ones
+    alone = one_stream_rate(engine, vllm.token)
+    assert capacity["decodeTokensPerSecond"] > 1.5 * alone
+    assert capacity["prefillTokensPerSecond"] > capacity["decodeTokensPerSecond"]
