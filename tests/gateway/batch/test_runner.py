@@ -70,13 +70,17 @@ async def test_a_batch_past_its_window_ends_expired_keeping_what_was_answered(en
             return (await api.service.retrieve("t", batch["id"]))["request_counts"]["completed"] >= 2
 
         await until(some_answered)
-        # the runner reports the unfinished work for the operator's autoscaler (operator/batch_demand.py)
-        async def reported_once() -> bool:  # by a scan, once a second
-            return await api.redis.hexists(batch_backlog_key("default"), batch["id"])
+        # the runner reports the unfinished work for the operator's autoscaler (operator/batch_demand.py), at each
+        # scan (once a second): until a scan has seen some of it answered
+        reported: dict = {}
 
-        await until(reported_once)
-        reported = json.loads(await api.redis.hget(batch_backlog_key("default"), batch["id"]))
-        assert 0 < reported["remaining"] < 40 and reported["deadline"] == batch["expires_at"]
+        async def reported_progress() -> bool:
+            raw = await api.redis.hget(batch_backlog_key("default"), batch["id"])
+            reported.update(json.loads(raw) if raw else {})
+            return reported.get("remaining", 40) < 40
+
+        await until(reported_progress)
+        assert reported["remaining"] > 0 and reported["deadline"] == batch["expires_at"]
         assert reported["output_tokens"] == 48 and reported["prompt_tokens"] > 0
         clock.offset = 61.0  # the window has passed
 
