@@ -30,8 +30,9 @@ from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.envoy.bootstrap import ENGINES_CLUSTER
 from kvfleet.gateway.envoy.feed import EnvoyFeed
 from kvfleet.gateway.envoy.lua import USAGE_NAMESPACE
-from kvfleet.gateway.limits.usage import Cost, Settlement
+from kvfleet.gateway.limits.usage import Settlement
 from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.token_estimate import Cost
 
 PLAIN_KEY, TPM_KEY = "sk-bench-plain-" + "p" * 16, "sk-bench-tpm-" + "t" * 16
 

@@ -45,6 +45,13 @@ def admit(priority: Priority, fleet_has_capacity: bool, queued_total: int, queue
     return Verdict(Action.QUEUE)
 
 
+def no_engine(detail: str = "no engine is available", status: int = 503) -> APIError:
+    """The answer when no engine can take a request (none healthy, none serving its model yet, or, 502, the ones
+    tried failed): the client may retry in a second."""
+    return APIError(status, f"{detail}; retry shortly", "service_unavailable", code="no_engine",
+                    headers={headers.RETRY_AFTER: "1"})
+
+
 def shed_refusal(reason: str, message: str, retry_after: int) -> APIError:
     """A shed request's 429: its reason in the code, and when to come back."""
     return APIError(429, message, "rate_limit_exceeded", code=f"shed_{reason}",

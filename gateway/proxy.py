@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
@@ -20,12 +21,14 @@ from fastapi.responses import Response, StreamingResponse
 from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.headers import AUTHORIZATION, REQUEST_ID, RETRY_AFTER
 from kvfleet.fleet.headers import ENGINE as ENGINE_HEADER
+from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.engines.failure_class import AnswerClass, classify
-from kvfleet.gateway.engines.pool import nothing_counted
 from kvfleet.gateway.limits.usage import Settlement, StreamUsageMeter, answer_usage
-from kvfleet.gateway.prefix.worth import PromptKeys
-from kvfleet.gateway.routing.router import Router
+from kvfleet.gateway.routing.router import Dispatch, Router
+
+if TYPE_CHECKING:
+    from kvfleet.gateway.director import Admission
 
 log = logging.getLogger(__name__)
 
@@ -70,24 +73,22 @@ class Forwarder:
         self.config, self.client, self.router = config, client, router
         self.pool, self.metrics = router.pool, router.metrics
 
-    async def forward(self, path: str, raw_body: bytes, headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str],
-                      request_id: str, hashes: PromptKeys,
-                      on_tokens: Settlement | None, critical: bool = False) -> Response:
-        """Sends to the chosen engine; an engine fault or a busy answer is retried once elsewhere, an answer the
-        request caused (4xx, unmarked 5xx) is returned as it is. `critical`: a critical request (choose, _send)."""
+    async def forward(self, admission: Admission, path: str,
+                      headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str) -> Response:
+        """Sends to the engine the router picks; an engine fault or a busy answer is retried once elsewhere, an answer
+        the request caused (4xx, unmarked 5xx) is returned as it is."""
         tried: set[str] = set()
         last_busy: tuple[str, httpx.Response, bytes] | None = None
         last_error = "no engine is available"
         for attempt in range(2):
-            # must: the request was admitted because the fleet had room (or released from the queue, or this is a
-            # retry); requests admitted together can fill it before their picks, and then the least-loaded healthy
-            # engine queues the request itself rather than the client getting 503 `no_engine`
-            url = self.router.choose(hashes, frozenset(tried), must=True, critical=critical)
-            if url is None:
+            # the request was admitted because the fleet had room (or released from the queue, or this is a retry);
+            # requests admitted together can fill it before their picks, and then the least-loaded healthy engine
+            # queues the request itself rather than the client getting 503 `no_engine`
+            pick = self.router.dispatch(admission.hashes, frozenset(tried), admission.priority is Priority.CRITICAL)
+            if pick is None:
                 break
-            tried.add(url)
-            tokens = self.router.dispatched(hashes, url)
-            upstream = await self._send(url, path, raw_body, headers, request_id, tokens if critical else None)
+            tried.add(pick.url)
+            upstream = await self._send(pick, path, admission.body, headers, request_id)
             if isinstance(upstream, str):
                 last_error = upstream
                 self.metrics.retries.labels("connect_error" if attempt == 0 else "gave_up").inc()
@@ -95,29 +96,25 @@ class Forwarder:
             status = upstream.response.status_code
             verdict = classify(status, upstream.response.headers)
             if verdict in (AnswerClass.BUSY, AnswerClass.FAULT):
-                content = await self._read_quietly(url, upstream.response)
-                self._done(url, ok=None if verdict is AnswerClass.BUSY else False)
+                content = await self._read_quietly(pick.url, upstream.response)
+                self._done(pick.url, ok=None if verdict is AnswerClass.BUSY else False)
                 if content is not None:
-                    last_busy = (url, upstream.response, content)
-                last_error = f"engine {url} answered {status}"
+                    last_busy = (pick.url, upstream.response, content)
+                last_error = f"engine {pick.url} answered {status}"
                 self.metrics.retries.labels(f"status_{status}" if attempt == 0 else "gave_up").inc()
                 continue
-            return await self._relay(upstream, on_tokens, ok=True if verdict is AnswerClass.OK else None)
+            return await self._relay(upstream, admission.settlement, ok=True if verdict is AnswerClass.OK else None)
         if last_busy is not None:
             return _passthrough(last_busy[1], last_busy[2], last_busy[0])
-        raise APIError(502 if tried else 503, f"{last_error}; retry later", "service_unavailable",
-                       code="no_engine", headers={RETRY_AFTER: "1"})
+        raise admission.no_engine(last_error, 502 if tried else 503)
 
-    async def _send(self, url: str, path: str, raw_body: bytes,
-                    headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str,
-                    critical_tokens: int | None = None) -> Upstream | str:
+    async def _send(self, pick: Dispatch, path: str, raw_body: bytes,
+                    headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str) -> Upstream | str:
         """The engine's answer once its headers arrive (a kvfleet engine sends them with the first output), or why
-        none came. A critical request (of critical_tokens prompt tokens to compute there) counts in the engine's
-        critical_pending until then, whatever happens."""
-        sent_at = time.monotonic()
+        none came. A critical request counts at its engine (critical_pending) until then, whatever happens."""
+        url, sent_at = pick.url, time.monotonic()
         request = self.client.build_request("POST", url + path, content=raw_body,
                                             headers=upstream_headers(headers, request_id, self.config.engine_api_key))
-        started = self.pool.critical_sent(url, critical_tokens) if critical_tokens is not None else nothing_counted
         try:
             async with self._bounded(url, self.config.upstream_first_byte_timeout_s):
                 response = await self.client.send(request, stream=True)
@@ -129,7 +126,7 @@ class Forwarder:
             self._done(url, ok=False)
             return f"engine {url} failed: {type(err).__name__} {err}".strip()
         finally:  # headers, a failure, or the client gone (cancelled): it no longer waits to start there
-            started()
+            pick.started()
         self.metrics.upstream_latency.labels(url).observe(time.monotonic() - sent_at)
         return Upstream(url, response, sent_at)
 

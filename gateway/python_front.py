@@ -1,6 +1,6 @@
-"""The Python proxy's front (`--data-plane python`, where Envoy cannot run): one request admitted by the decision
-core (core.py), then sent, retried and relayed by the Forwarder (proxy.py); its answer counted in its fleet's
-metrics."""
+"""The Python proxy's front (`--data-plane python`, where Envoy cannot run): it translates one HTTP request into the
+director's calls (director.py: the headers' checks, the fleet, the admission, the wait, the engine) and the answer
+back; the Forwarder (proxy.py) sends, retries and relays. The answer is counted in its fleet's metrics."""
 
 from __future__ import annotations
 
@@ -10,47 +10,45 @@ from fastapi.responses import Response, StreamingResponse
 from kvfleet.fleet import headers
 from kvfleet.fleet.client_gone import unless_client_leaves
 from kvfleet.fleet.errors import APIError
-from kvfleet.fleet.priority import DEFAULT_PRIORITY, Priority, parse_priority
-from kvfleet.gateway.core import Admitted, Gateway, request_id_from
+from kvfleet.fleet.priority import DEFAULT_PRIORITY
+from kvfleet.gateway.core import request_id_from
+from kvfleet.gateway.director import Admission, admit, request_class
 
 
 async def handle_request(front, request: Request, path: str) -> Response:
-    """One request through the Python proxy: `front` (a Gateway, or a ModelFront of several) admits it to a fleet,
-    whose forwarder sends it; the answer is counted in that fleet's metrics (the front's before one is chosen)."""
+    """One request through the Python proxy: `front` (a Gateway, or a ModelFront of several) checks its headers and
+    finds its fleet, which admits it and whose forwarder sends it; the answer is counted in that fleet's metrics
+    (the front's before one is known)."""
     request_id = request_id_from(request.headers.get(headers.REQUEST_ID))
-    priority = DEFAULT_PRIORITY
-    fleet = [front]
+    priority, counted_by = DEFAULT_PRIORITY, front
     try:
-        try:
-            priority = parse_priority(request.headers.get(headers.PRIORITY))
-        except ValueError as err:
-            raise APIError(400, str(err), param=headers.PRIORITY) from None
-        gateway, admitted = await front.admit(path, request.headers, request.body, priority,
-                                              request.is_disconnected, on_fleet=lambda g: fleet.append(g))
-        response = await send_admitted(gateway, request, path, request_id, priority, admitted)
+        priority = request_class(request.headers)
+        ticket = front.check_headers(request.headers, priority)
+        target = front.target(ticket, path, await request.body())
+        counted_by = target.gateway
+        admission = await admit(ticket, target)
+        await unless_client_leaves(request.receive, admission.wait())
+        response = await send_admitted(admission, request, path, request_id)
     except APIError as err:
         response = err.response()
     response.headers[headers.REQUEST_ID] = request_id
-    fleet[-1].metrics.requests.labels(priority.value, str(response.status_code)).inc()
+    counted_by.metrics.requests.labels(priority.value, str(response.status_code)).inc()
     return response
 
 
-
-async def send_admitted(gateway: Gateway, request: Request, path: str, request_id: str, priority: Priority,
-                        admitted: Admitted) -> Response:
+async def send_admitted(admission: Admission, request: Request, path: str, request_id: str) -> Response:
     """The Python proxy's half after admission: forward to an engine, settle the token reservation."""
-    settlement = admitted.settlement
+    settlement = admission.settlement
     try:
-        response = await unless_client_leaves(request.receive, gateway.forwarder.forward(
-            path, admitted.body, request.headers.raw, request_id, admitted.hashes, on_tokens=settlement,
-            critical=priority is Priority.CRITICAL))
-        if admitted.degraded is not None:
-            response.headers[headers.DEGRADED] = admitted.degraded
+        response = await unless_client_leaves(request.receive, admission.gateway.forwarder.forward(
+            admission, path, request.headers.raw, request_id))
+        if admission.degraded is not None:
+            response.headers[headers.DEGRADED] = admission.degraded
     except BaseException as err:
         if settlement is not None and isinstance(err, APIError) and err.status == 499:
             settlement.abandoned()  # the engine worked for a client that left: its count is unknown
-        elif settlement is not None:
-            settlement.refund()  # failed before an answer: nothing was generated
+        else:
+            admission.refund()  # failed before an answer: nothing was generated
         raise
     if settlement is not None and not isinstance(response, StreamingResponse):
         settlement.refund()  # an answer the relay did not count (a busy engine's refusal); no-op once settled

@@ -9,15 +9,14 @@ custom_id is answered exactly once.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvfleet.fleet.openai_schema import RequestSchemaError, parse_json, validate_request
+from kvfleet.gateway.token_estimate import request_cost
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_CUSTOM_ID = 512
-DEFAULT_OUTPUT_TOKENS = 256  # a request without max_tokens, as the autoscaler sizes its work and the limits count it
 
 
 @dataclass(frozen=True)
@@ -91,12 +90,11 @@ def read_lines(data: bytes, endpoint: str, serves: Callable[[str], bool]) -> Ite
         yield line
 
 
-def token_estimate(body: dict) -> tuple[float, int]:
-    """A checked request body's (prompt tokens, about four characters a token; output tokens: its max_tokens, else
-    DEFAULT_OUTPUT_TOKENS): what the autoscaler plans with and a key's batch token limit counts."""
-    text = body.get("prompt") if "prompt" in body else body.get("messages")
-    output = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_OUTPUT_TOKENS
-    return len(json.dumps(text)) / 4, output
+def token_estimate(body: dict) -> tuple[int, int]:
+    """A checked request body's (prompt tokens, output tokens), the gateway's one estimate (gateway/token_estimate.py):
+    what the autoscaler plans a batch's backlog with and a key's batch token limit counts."""
+    cost = request_cost(body)
+    return cost.prompt, cost.completion
 
 
 def file_tokens(data: bytes, endpoint: str) -> int:

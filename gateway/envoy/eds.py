@@ -21,8 +21,6 @@ from urllib.parse import urlsplit
 
 from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.envoy.bootstrap import ENGINES_CLUSTER
-from kvfleet.gateway.prefix.worth import PromptKeys
-from kvfleet.gateway.routing.router import Router
 
 log = logging.getLogger("kvfleet.gateway.envoy")
 
@@ -47,15 +45,11 @@ def in_subset(address: str, subset: frozenset[str]) -> bool:
     return address in subset or address.rsplit(":", 1)[0].strip("[]") in subset
 
 
-def pick_destinations(router: Router, hashes: PromptKeys, subset: frozenset[str] | None = None,
-                      critical: bool = False) -> list[str]:
-    """The picker's destination list: the router's choice, then the next best for Envoy's retry, all within the
-    proxy's subset hint when it sent one; empty when no healthy engine may serve. The request was admitted (the
-    fleet had room, or it was released from the queue): a saturated engine is named rather than none."""
-    outside = frozenset()
-    if subset is not None:
-        outside = frozenset(url for url in router.pool.urls() if not _address_in(url, subset))
-    return router.rank(hashes, outside, must=True, critical=critical, fallbacks=FALLBACKS)
+def outside_subset(urls: Iterable[str], subset: frozenset[str] | None) -> frozenset[str]:
+    """The engines the proxy's subset hint leaves out (none without a hint): the picker names only the others."""
+    if subset is None:
+        return frozenset()
+    return frozenset(url for url in urls if not _address_in(url, subset))
 
 
 def _address_in(url: str, subset: frozenset[str]) -> bool:

@@ -1,9 +1,10 @@
-"""The endpoint picker: the gateway's decision core behind Envoy's external processing (ext_proc) gRPC API, as the
-Gateway API Inference Extension's endpoint picker protocol has it.
+"""The endpoint picker: the gateway's front behind Envoy's external processing (ext_proc) gRPC API, as the Gateway
+API Inference Extension's endpoint picker protocol has it.
 
 Per generation request Envoy opens one stream: the request's headers (answered "continue" once the key and the
-priority header pass), then its buffered body. The picker runs the same decisions as the Python proxy
-(Gateway.admit_request: schema, limits, priority, admission, the fleet queue) and answers with the chosen engine in
+priority header pass), then its buffered body. The picker translates them into the director's calls, the same as
+the Python front's (director.py: the headers' checks, the fleet, the admission and its wait, the engine and its
+fallback), and answers with the chosen engine in
 `x-gateway-destination-endpoint` (and a rewritten body when the trust rule changed it), or with an immediate
 OpenAI error (400, 401, 429, 503 with Retry-After). A queued request is a stream the picker holds; the stream ends
 when Envoy has finished the HTTP request, which is when the engine's in-flight count drops. No token passes here,
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Callable, Mapping
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -25,13 +25,12 @@ from google.protobuf.duration_pb2 import Duration
 
 from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
-from kvfleet.fleet.priority import DEFAULT_PRIORITY, Priority, parse_priority
+from kvfleet.fleet.priority import DEFAULT_PRIORITY
 from kvfleet.gateway.core import Gateway, request_id_from
-from kvfleet.gateway.engines.pool import nothing_counted
+from kvfleet.gateway.director import Admission, admit, request_class
 from kvfleet.gateway.envoy.bootstrap import PICKER_MARGIN_S
-from kvfleet.gateway.envoy.eds import pick_destinations
+from kvfleet.gateway.envoy.eds import FALLBACKS, outside_subset
 from kvfleet.gateway.envoy.ext_proc_modes import (
-    OWN,
     Modes,
     StreamedBody,
     answer_after_route,
@@ -42,6 +41,7 @@ from kvfleet.gateway.envoy.ext_proc_modes import (
 )
 from kvfleet.gateway.envoy.feed import EnvoyFeed
 from kvfleet.gateway.envoy.messages import header_map, immediate, route_to, subset_hint
+from kvfleet.gateway.routing.router import Dispatch
 
 log = logging.getLogger("kvfleet.gateway.picker")
 _CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())  # the headers phase's answer, built once
@@ -62,27 +62,36 @@ class EndpointPicker(ExternalProcessorServicer):
         request_id = request_id_from(request_headers.get(headers.REQUEST_ID))
         priority = DEFAULT_PRIORITY
         modes = modes_of(first)
-        url: str | None = None
-        started = nothing_counted  # a critical request counts on its engine until its answer starts
-        fleet = [self.gateway]  # the fleet the request was admitted to, once known (its metrics count it)
+        counted_by = self.gateway  # the fleet whose metrics count the request, once known
         try:
             refuse_unroutable(modes)
+            priority = request_class(request_headers)
+            ticket = self.gateway.check_headers(request_headers, priority)
+            raw, streamed = await self._read_body(context, first.request_headers.end_of_stream, modes)
+            target = self.gateway.target(ticket, request_headers.get(":path", "").split("?", 1)[0], raw)
+            counted_by = target.gateway
+            admission = await admit(ticket, target, stream_usage=self.feed is not None)
+            if admission.queued:  # Envoy holds the request as long as its queue deadline allows
+                seconds = ticket.max_queue_ms / 1000.0 + PICKER_MARGIN_S
+                await context.write(pb.ProcessingResponse(
+                    override_message_timeout=Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9))))
+            await admission.wait()  # gRPC cancels this handler when Envoy resets the stream: its client left
+            exclude = outside_subset(target.gateway.router.pool.urls(), subset_hint(first))
+            pick = admission.dispatch(exclude, FALLBACKS)
             try:
-                priority = parse_priority(request_headers.get(headers.PRIORITY))
-            except ValueError as err:
-                raise APIError(400, str(err), param=headers.PRIORITY) from None
-            url, started = await self._decide(context, request_headers, priority,
-                                              first.request_headers.end_of_stream, subset_hint(first), modes,
-                                              request_id, fleet.append)
+                await self._route(context, admission, pick, modes, streamed, request_id)
+            except BaseException:
+                pick.started()
+                raise
         except APIError as err:
             # counted before the answer goes: Envoy may end the stream once it has the answer, which cancels this
             # handler at the write (a refusal counted after it went uncounted now and then on a busy machine)
-            metrics = fleet[-1].metrics
+            metrics = counted_by.metrics
             metrics.labelled(metrics.requests, priority.value, str(err.status)).inc()
             if err.status != 499:  # a client that left is answered by nobody
                 await context.write(immediate(err, request_id))
             return
-        gateway = fleet[-1]
+        gateway, url = admission.gateway, pick.url
         if self.feed is None:  # else counted with the answer's real status from Envoy's entry
             gateway.metrics.labelled(gateway.metrics.requests, priority.value, "200").inc()
         # Envoy closes the stream when the request is done; our own Envoy sends nothing more before that. An engine
@@ -94,7 +103,7 @@ class EndpointPicker(ExternalProcessorServicer):
             async with silent:
                 while (message := await context.read()) is not grpc.aio.EOF:
                     if message.HasField("response_headers"):
-                        started()
+                        pick.started()
                     answer = answer_after_route(message, modes)
                     if answer is not None:
                         await context.write(answer)
@@ -103,80 +112,44 @@ class EndpointPicker(ExternalProcessorServicer):
         finally:
             gateway.pool.unwatch(url, silent)
             gateway.pool.record_done(url, None)
-            started()
+            pick.started()
 
-    async def _decide(self, context: grpc.aio.ServicerContext, request_headers: Mapping[str, str],
-                      priority, no_body: bool, subset: frozenset[str] | None = None, modes: Modes = OWN,
-                      request_id: str | None = None, on_fleet: Callable[[Gateway], None] | None = None
-                      ) -> tuple[str, Callable[[], None]]:
-        """The engine the request goes to, and the call that ends a critical request's count there (its answer's
-        headers, when a gateway sends them to its picker, else, with our own Envoy's response_header_mode SKIP, the
-        request's end). The count starts with the pick, before any await, so critical requests picked together see
-        each other's tokens."""
-        front = self.gateway
-        limits = front.config.http_limits
-        left = asyncio.Event()
-        context.add_done_callback(lambda _: left.set())
+    async def _read_body(self, context: grpc.aio.ServicerContext, no_body: bool,
+                         modes: Modes) -> tuple[bytes, StreamedBody]:
+        """The request's body from Envoy: buffered whole after the headers phase's "continue" (bounded in time as the
+        Python front bounds it), or streamed in duplex mode; an empty one when Envoy said there is none."""
         streamed = StreamedBody()
-
-        async def read_body() -> bytes:
-            nonlocal streamed
-            if no_body:  # Envoy sends no body message for an empty body: the schema refuses it as the proxy does
-                return b""
-            if modes.duplex:  # the headers phase waits for its answer until the route is known
-                streamed = await read_streamed_body(context, front.config.max_body_bytes)
-                return streamed.body
-            await context.write(_CONTINUE)
-            try:  # Envoy buffers the body and sends it whole: bounded as the Python front bounds it
-                async with asyncio.timeout(limits.body_timeout_s):
-                    message = await context.read()
-            except TimeoutError:
-                raise APIError(408, limits.body_too_slow()) from None
-            if message is grpc.aio.EOF:
-                raise APIError(499, "the client closed the connection", code="client_closed")
-            return message.request_body.body
-
-        async def is_disconnected() -> bool:
-            return left.is_set()
-
-        async def on_queue(max_queue_ms: float) -> None:  # Envoy holds the request as long as the queue may
-            seconds = max_queue_ms / 1000.0 + PICKER_MARGIN_S
-            await context.write(pb.ProcessingResponse(
-                override_message_timeout=Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9))))
-
-        path = request_headers.get(":path", "").split("?", 1)[0]
-        gateway, admitted = await front.admit(path, request_headers, read_body, priority, is_disconnected, on_queue,
-                                              stream_usage=self.feed is not None, on_fleet=on_fleet)
-        urls = pick_destinations(gateway.router, admitted.hashes, subset, priority is Priority.CRITICAL)
-        url = urls[0] if urls else None  # the chosen engine; the rest are Envoy's fallbacks
-        if url is None:
-            if admitted.settlement is not None:
-                admitted.settlement.refund()  # nothing will be generated, as the Python proxy refunds
-            raise APIError(503, "no engine is available; retry later", "service_unavailable", code="no_engine",
-                           headers={headers.RETRY_AFTER: "1"})
-        tokens = gateway.router.dispatched(admitted.hashes, url)
-        started = gateway.pool.critical_sent(url, tokens) if priority is Priority.CRITICAL else nothing_counted
+        if no_body:  # Envoy sends no body message for an empty body: the schema refuses it as the proxy does
+            return b"", streamed
+        limits = self.gateway.config.http_limits
+        if modes.duplex:  # the headers phase waits for its answer until the route is known
+            streamed = await read_streamed_body(context, self.gateway.config.max_body_bytes)
+            return streamed.body, streamed
+        await context.write(_CONTINUE)
         try:
-            await self._route(context, gateway, admitted, urls, priority, modes, streamed, request_id)
-        except BaseException:
-            started()
-            raise
-        return url, started
+            async with asyncio.timeout(limits.body_timeout_s):
+                message = await context.read()
+        except TimeoutError:
+            raise APIError(408, limits.body_too_slow()) from None
+        if message is grpc.aio.EOF:
+            raise APIError(499, "the client closed the connection", code="client_closed")
+        return message.request_body.body, streamed
 
-    async def _route(self, context: grpc.aio.ServicerContext, gateway: Gateway, admitted, urls: list[str],
-                     priority: Priority, modes: Modes, streamed: StreamedBody, request_id: str | None) -> None:
+    async def _route(self, context: grpc.aio.ServicerContext, admission: Admission, pick: Dispatch, modes: Modes,
+                     streamed: StreamedBody, request_id: str | None) -> None:
         """Tell Envoy where the request goes (and, in duplex mode, its body)."""
-        message = route_to(urls, admitted.body if admitted.changed else None, gateway.config.engine_api_key,
-                           request_id)
+        gateway = admission.gateway
+        message = route_to([pick.url, *pick.fallbacks], admission.body if admission.changed else None,
+                           gateway.config.engine_api_key, request_id)
         if self.feed is not None:  # the ticket Envoy's access log entry brings back with the answer's usage
-            ticket, metadata = self.feed.expect(priority.value, admitted.settlement, admitted.degraded,
+            ticket, metadata = self.feed.expect(admission.priority.value, admission.settlement, admission.degraded,
                                                 gateway.metrics)
             message.dynamic_metadata.MergeFrom(metadata)  # beside the envoy.lb namespace route_to may set
             context.add_done_callback(lambda _: self.feed.closed(ticket))
-        elif admitted.settlement is not None:
-            admitted.settlement.abandoned()  # no access log comes back (a foreign Envoy): keep the reservation
+        elif admission.settlement is not None:
+            admission.settlement.abandoned()  # no access log comes back (a foreign Envoy): keep the reservation
         if modes.duplex:
-            body = admitted.body if admitted.changed else streamed.body
+            body = admission.body if admission.changed else streamed.body
             for answer in streamed_route(message, body, streamed.trailers):
                 await context.write(answer)
         else:

@@ -1,6 +1,6 @@
 """Envoy's bootstrap for an Envoy that runs beside the gateway (the chart's sidecar container of the official Envoy
-image) instead of as its child: the same builder as `--data-plane envoy` (envoy_config.build_bootstrap), with the
-picker and the gateway's app at 127.0.0.1 in the pod. The chart's init container runs
+image) instead of as its child: the same builder as `--data-plane envoy` (envoy/bootstrap.py's build_bootstrap), with
+the picker and the gateway's app at 127.0.0.1 in the pod. The chart's init container runs
 
     python -m kvfleet.gateway.envoy.sidecar --out /etc/envoy/envoy.json --envoy-port 8080 <the gateway's flags>
 

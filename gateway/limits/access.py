@@ -12,9 +12,10 @@ from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.limits.tenant_metrics import TenantMetrics
-from kvfleet.gateway.limits.usage import Cost, Settlement, request_cost
+from kvfleet.gateway.limits.usage import Settlement
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.queue.order import DEFAULT_TENANT
+from kvfleet.gateway.token_estimate import Cost, request_cost
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -31,7 +32,7 @@ class Tenant:
 
 
 def authenticate(keys: Any | None, request_headers: Mapping[str, str]) -> Any | None:
-    """The caller's key (gateway.auth.ApiKey), None when API keys are off; 401 without a valid one."""
+    """The caller's key (limits/keys.py's ApiKey), None when API keys are off; 401 without a valid one."""
     if keys is None:
         return None
     key = keys.authenticate_headers(request_headers)

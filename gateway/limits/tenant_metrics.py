@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from prometheus_client.metrics import MetricWrapperBase
 
-from kvfleet.gateway.limits.usage import Cost, Settlement, Usage, request_cost
+from kvfleet.gateway.limits.usage import Settlement, Usage
 from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.token_estimate import Cost, request_cost
 
 OTHER = "other"  # every tenant outside the top; a tenant named "other" is never named apart from them
 COUNTERS_PER_NAME = 4  # the summary's size: a tenant with over 1/(4N + 1) of the requests is always in it

@@ -1,6 +1,7 @@
 """Token accounting for the tokens-per-minute limit: what a request reserves, and what its answer really used.
 
-At admission a request reserves `prompt estimate + max_tokens x choices`; at its end the reservation is settled
+At admission a request reserves its estimate (gateway/token_estimate.py: prompt + output allowance x choices); at its
+end the reservation is settled
 with the engine's own count (`usage.total_tokens`, prompt plus every choice's completion). Streams get that count
 from the engine's usage chunk, which the gateway asks for (`stream_options.include_usage`) and removes again
 when the client did not ask for it, so the client's stream is unchanged.
@@ -9,33 +10,15 @@ when the client did not ask for it, so the client's stream is unchanged.
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# Reserved per choice when a request names no max_tokens (the engine would allow up to its context length).
-DEFAULT_MAX_TOKENS = 1024
-# A prompt's tokens are estimated as its UTF-8 bytes / 4 (English text runs ~4 bytes a token) plus a few per chat
-# message for the template; the settlement replaces the estimate with the engine's count.
-BYTES_PER_TOKEN = 4
-TOKENS_PER_MESSAGE = 4
-MAX_RESERVATION = 10**12  # keeps absurd max_tokens x n within Redis's 64-bit integers
+from kvfleet.gateway.token_estimate import Cost
+
 EVENT_END = re.compile(rb"\r?\n\r?\n")
 MAX_PENDING_BYTES = 1 << 20  # a partial SSE event longer than this is passed on without waiting for its end
-
-
-@dataclass(frozen=True)
-class Cost:
-    """A request's reservation: the prompt's estimated tokens and the most it may generate."""
-
-    prompt: int
-    completion: int
-
-    @property
-    def tokens(self) -> int:
-        return min(MAX_RESERVATION, self.prompt + self.completion)
 
 
 @dataclass(frozen=True)
@@ -49,46 +32,6 @@ class Usage:
     # time.monotonic() of the answer's first token: a stream's first token event, an unstreamed answer's arrival
     # (its first token is not visible before the whole answer); None: no token came (an error, nothing relayed)
     first_token_at: float | None = field(default=None, compare=False)
-
-
-def _positive_int(value: object, default: int) -> int:
-    # Wrong types are the strict schema's to refuse; here they only must not break the estimate.
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
-
-
-def _text_tokens(text: str) -> int:
-    return math.ceil(len(text.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN)
-
-
-def _prompts(body: dict) -> list[int]:
-    """Estimated tokens of each prompt the request holds (chat: one; completions: one per listed prompt)."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        total = 0
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):  # content parts
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
-                                  and isinstance(p.get("text"), str))
-            total += TOKENS_PER_MESSAGE + (_text_tokens(content) if isinstance(content, str) else 0)
-        return [total + TOKENS_PER_MESSAGE]  # the assistant turn's header
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return [_text_tokens(prompt)]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return [len(prompt)]  # token ids: exact
-    if isinstance(prompt, list) and prompt:
-        return [_text_tokens(p) if isinstance(p, str) else len(p) if isinstance(p, list) else 0 for p in prompt]
-    return [0]
-
-
-def request_cost(body: dict) -> Cost:
-    """The reservation for a request body: prompt estimate + max_tokens (or DEFAULT_MAX_TOKENS) x n per prompt."""
-    prompts = _prompts(body)
-    limit = body.get("max_completion_tokens")
-    max_tokens = _positive_int(limit if limit is not None else body.get("max_tokens"), DEFAULT_MAX_TOKENS)
-    choices = _positive_int(body.get("n"), 1)
-    return Cost(prompt=sum(prompts), completion=min(MAX_RESERVATION, max_tokens * choices * len(prompts)))
 
 
 def ask_stream_usage(body: dict) -> bool:

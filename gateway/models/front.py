@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
@@ -23,9 +23,11 @@ from prometheus_client.metrics_core import Metric
 from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
 from kvfleet.fleet.priority import Priority
+from kvfleet.gateway.admission import no_engine
 from kvfleet.gateway.config import GatewayConfig
-from kvfleet.gateway.core import Admitted, Gateway, check_body
+from kvfleet.gateway.core import Gateway
 from kvfleet.gateway.degradation import fallback_allowed, fallback_header_value
+from kvfleet.gateway.director import Target, Ticket, check_body, check_headers
 from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.limits.access import authenticate
 from kvfleet.gateway.metrics import GatewayMetrics
@@ -149,42 +151,32 @@ class ModelFront:
             self.pool.membership_changed.set()
         log.info("models: %s", ", ".join(sorted(wanted)) or "none")
 
-    # ---- one request --------------------------------------------------------------------------------------
-    async def admit(self, path: str, request_headers: Mapping[str, str], read_body: Callable[[], Awaitable[bytes]],
-                    priority: Priority, is_disconnected: Callable[[], Awaitable[bool]],
-                    on_queue: Callable[[float], Awaitable[None]] | None = None, stream_usage: bool = True,
-                    on_fleet: Callable[[Gateway], None] | None = None) -> tuple[Gateway, Admitted]:
-        """The fleet of the body's model (or its fallback's, the ladder's second rung) and its admission there."""
-        key = authenticate(self.keys, request_headers)  # 401 before the body is read
+    # ---- one request: the front's calls into the director (gateway/director.py) ------------------------------
+    def check_headers(self, request_headers: Mapping[str, str], priority: Priority) -> Ticket:
+        """What the request's headers allow, before its body is read: the key once for every fleet, and whether it
+        may go to its model's fallback (the client's x-kvfleet-allow-fallback, or its key's allow_fallback)."""
+        ticket = check_headers(self.config, self.keys, request_headers, priority)
         try:
             may_fall_back = fallback_allowed(request_headers.get(headers.ALLOW_FALLBACK),
-                                             getattr(key, "allow_fallback", False))
+                                             getattr(ticket.key, "allow_fallback", False))
         except ValueError as err:
             raise APIError(400, f"{headers.ALLOW_FALLBACK} {err}", param=headers.ALLOW_FALLBACK) from None
-        raw = await read_body()
+        return dataclasses.replace(ticket, may_fall_back=may_fall_back)
+
+    def target(self, ticket: Ticket, path: str, raw: bytes) -> Target:
+        """The fleet of the body's model (or its fallback's, the ladder's second rung), and the body as that fleet's
+        engines know their model; an adapter's request goes to its base model's fleet, under its own name."""
         body = check_body(path, raw)
         adapter_of = self._adapter_owner(body.get("model"))
-        if adapter_of is not None:  # an adapter's request goes to its base model's fleet, under its own name
-            gateway, served, degraded, rewritten = adapter_of, body["model"], None, False
-            name = gateway.route.name
-        else:
-            name = self.table.resolve(body.get("model"))
-            gateway = self._serving(name, may_fall_back)
-            served, degraded = gateway.route.name, None
-            rewritten = body.get("model") not in (None, served)  # an alias, or the fallback: engines know one name
-        if rewritten:
+        if adapter_of is not None:
+            return Target(adapter_of, path, raw, body)
+        name = self.table.resolve(body.get("model"))
+        gateway = self._serving(name, ticket.may_fall_back)
+        served = gateway.route.name
+        renamed = body.get("model") not in (None, served)  # an alias, or the fallback: engines know one name
+        if renamed:
             body["model"] = served
-        if served != name:
-            degraded = fallback_header_value(served)
-        if on_fleet is not None:
-            on_fleet(gateway)
-
-        async def same_body() -> bytes:
-            return raw
-        admitted = await gateway.admit_request(path, request_headers, same_body, priority, is_disconnected,
-                                               on_queue, stream_usage, parsed=body, rewritten=rewritten,
-                                               degraded=degraded)
-        return gateway, admitted
+        return Target(gateway, path, raw, body, renamed, fallback_header_value(served) if served != name else None)
 
     def _adapter_owner(self, model: object) -> Gateway | None:
         """The fleet whose engines serve a LoRA adapter of this name (a model's own name or alias wins)."""
@@ -195,8 +187,7 @@ class ModelFront:
     def _serving(self, name: str, may_fall_back: bool) -> Gateway:
         gateway = self.fleets.get(name)
         if gateway is None:  # listed, but its fleet is starting or stopping
-            raise APIError(503, f"the model `{name}` is not being served yet; retry shortly", "service_unavailable",
-                           code="no_engine", headers={headers.RETRY_AFTER: "1"})
+            raise no_engine(f"the model `{name}` is not being served yet")
         fallback = self.fleets.get(self.table.routes[name].fallback or "")
         if may_fall_back and fallback is not None and not gateway.has_room() and fallback.has_room():
             return fallback
@@ -222,7 +213,7 @@ class ModelFront:
         key = authenticate(self.keys, request_headers)
         first = next(iter(self.fleets.values()), None)
         if first is not None:  # counted once, against the first model's limits
-            await first._limit(key, None)
+            await first.count_call(key)
         entries = await asyncio.gather(*(self._model_entry(r) for r in self.routes))
         data = []
         for route, entry in zip(self.routes, entries, strict=True):

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 from kvfleet.gateway.prefix.approximate import ApproximatePrefixTable, prompt_text
 from kvfleet.gateway.prefix.kv_index import KVIndex, chain_keys
+from kvfleet.gateway.token_estimate import prompt_tokens
 
 # (path, parsed body) -> the prompt's token ids as the engines will see them, or None when it cannot say
 Tokenize = Callable[[str, dict], "list[int] | None"]
 DEFAULT_BLOCK_SIZE = 16  # for the recent layer before any engine has reported its block size
-CHARS_PER_TOKEN = 4  # English text in a BPE vocabulary, for a prompt the gateway does not tokenize
 RECENT_TTL_S = 3.0  # how long a dispatch counts before the engine's own events must say it
 
 
@@ -78,7 +78,7 @@ class PrefixRouting:
         """An adapter's request is keyed apart: its approximate chain starts from the adapter's name, and the
         engines' events (which name only the base model's blocks) are not looked up for it."""
         text = prompt_text(body)
-        guess = len(text) // CHARS_PER_TOKEN + 1
+        guess = sum(prompt_tokens(body))  # for a prompt it does not tokenize (gateway/token_estimate.py)
         if adapter is not None:
             return PromptKeys(self.approx.block_hashes(text, adapter), est_tokens=guess, adapter=adapter)
         approx = self.approx.block_hashes(text)

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from enum import StrEnum
 
 from redis.asyncio import Redis
@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 class Outcome(StrEnum):
     GRANTED = "granted"
     EXPIRED = "expired"
-    DISCONNECTED = "disconnected"
 
 
 def now_ms() -> float:
@@ -172,33 +171,31 @@ class FleetQueue:
                 return
         self.local.charge(priority, tenant, amount)
 
-    async def wait(self, entry: QueueEntry, is_disconnected: Callable[[], Awaitable[bool]]) -> Outcome:
-        """Until the entry is released, its deadline passes, or its client goes away; it leaves the queue then."""
+    async def wait(self, entry: QueueEntry) -> Outcome:
+        """Until the entry is released (GRANTED) or its deadline passes (EXPIRED); it leaves the queue then. A wait
+        that is cancelled (its client left: the Python front saw the connection close, or gRPC cancelled the
+        picker's stream when Envoy's client left) takes its entry out of the queue at once, so that it holds no
+        place, and later no release, for nobody."""
         granted = self._waiters[entry.id]
-        watcher = asyncio.create_task(_watch_disconnect(is_disconnected))
         try:
             timeout = max(0.0, (entry.deadline_ms - now_ms()) / 1000.0)
             try:
-                done, _ = await asyncio.wait({granted, watcher}, timeout=timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait_for(asyncio.shield(granted), timeout)
+                return Outcome.GRANTED
+            except TimeoutError:
+                pass
             except asyncio.CancelledError:
-                # the waiter itself was cancelled (the picker's gRPC stream reset when Envoy's client left): the
-                # entry must not stay queued, holding a place and later a release, for nobody
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._remove(entry.id))
                 raise
-            if granted.done():
-                return Outcome.GRANTED
-            outcome = Outcome.DISCONNECTED if watcher in done else Outcome.EXPIRED
             if not await self._remove(entry.id):  # already popped by a release: its grant is on the way
                 try:
                     await asyncio.wait_for(asyncio.shield(granted), 1.0)
-                    return Outcome.GRANTED if outcome is Outcome.EXPIRED else outcome
+                    return Outcome.GRANTED
                 except TimeoutError:
                     pass
-            return outcome
+            return Outcome.EXPIRED
         finally:
-            watcher.cancel()
             self._waiters.pop(entry.id, None)
             self._entries.pop(entry.id, None)
             self._missing_once.discard(entry.id)
@@ -238,10 +235,14 @@ class FleetQueue:
         if not self.using_redis:
             return False
         try:
-            return await self.redis.remove(entry_id)
+            removed = await self.redis.remove(entry_id)
         except REDIS_DOWN as err:
             await self._degrade(err)
             return self.local.remove(entry_id)
+        entry = self._entries.get(entry_id)
+        if removed and entry is not None:  # counted out at once, as a release is: has_room reads the count
+            self._counts[entry.priority] = max(0, self._counts[entry.priority] - 1)
+        return removed
 
     async def _degrade(self, err: BaseException) -> None:
         """Redis went away: this replica's waiting entries move to the in-process queue, in their order."""
@@ -368,14 +369,3 @@ class FleetQueue:
             self._grant(entry_id)
         await self.redis.acknowledge(leased)
         return set(leased)
-
-
-# Each look costs the Python front a cancelled receive (Starlette's is_disconnected; anyio formats the cancelling
-# task's repr): every 50 ms for each of ~400 queued requests in a flood was a third of a busy gateway's CPU.
-DISCONNECT_POLL_S = 0.25
-
-
-async def _watch_disconnect(is_disconnected: Callable[[], Awaitable[bool]], every_s: float = DISCONNECT_POLL_S
-                            ) -> None:
-    while not await is_disconnected():
-        await asyncio.sleep(every_s)

@@ -7,13 +7,24 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvfleet.gateway.config import GatewayConfig
-from kvfleet.gateway.engines.pool import EndpointPool
+from kvfleet.gateway.engines.pool import EndpointPool, nothing_counted
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
 from kvfleet.gateway.routing.pick import LANE_HOLD_S, EndpointSnapshot, RoutingContext, critical_lane, pick, serving
 from kvfleet.gateway.routing.strategies import strategy_named
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Where a request goes: its engine, the next best for a retry elsewhere, and the call that ends a critical
+    request's count at its engine (its answer started, or the request ended without one; a no-op otherwise)."""
+
+    url: str
+    fallbacks: tuple[str, ...] = ()
+    started: Callable[[], None] = nothing_counted
 
 
 class Router:
@@ -69,6 +80,18 @@ class Router:
         """The engine for a request (rank's first), or None."""
         ranked = self.rank(hashes, exclude, must, critical)
         return ranked[0] if ranked else None
+
+    def dispatch(self, hashes: PromptKeys, exclude: frozenset[str] = frozenset(), critical: bool = False,
+                 fallbacks: int = 0) -> Dispatch | None:
+        """The engine an admitted request goes to now (a saturated one rather than none), none of `exclude`, and up
+        to `fallbacks` more for a retry elsewhere, with the dispatch recorded (dispatched()) and a critical request's
+        prompt tokens counted at its engine until Dispatch.started; None when no engine may serve it."""
+        urls = self.rank(hashes, exclude, must=True, critical=critical, fallbacks=fallbacks)
+        if not urls:
+            return None
+        tokens = self.dispatched(hashes, urls[0])
+        started = self.pool.critical_sent(urls[0], tokens) if critical else nothing_counted
+        return Dispatch(urls[0], tuple(urls[1:]), started)
 
     def dispatched(self, hashes: PromptKeys, url: str) -> int:
         """The request goes to url: the prompt tokens the engine likely computes for it count on the engine until

@@ -32,17 +32,13 @@ async def running(*queues: FleetQueue):
             await queue.stop()
 
 
-async def never_disconnects() -> bool:
-    return False
-
-
 async def release_all(queues: list[FleetQueue], entries: list[QueueEntry], per_release: int = 1,
                       every_s: float = 0.002) -> list[str]:
     """Releases everything, `per_release` at a time every `every_s` (past the release window), by each replica in
     turn; the ids in the order released. Every owner's wait ends granted (other replicas' entries reach their owner
     on its grants channel)."""
     owner = {e.id: q for q in queues for e in entries if e.owner == q.gateway_id}
-    waiting = asyncio.gather(*(owner[e.id].wait(e, never_disconnects) for e in entries))
+    waiting = asyncio.gather(*(owner[e.id].wait(e) for e in entries))
     order: list[str] = []
     turn = 0
     while len(order) < len(entries):

@@ -19,7 +19,7 @@ from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.engines.failure_class import AnswerClass, classify_attempt, engine_health
 from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.envoy.bootstrap import DESTINATION_HEADER
-from kvfleet.gateway.envoy.eds import EndpointsFile, endpoints_document, envoy_address, pick_destinations
+from kvfleet.gateway.envoy.eds import FALLBACKS, EndpointsFile, endpoints_document, envoy_address, outside_subset
 from kvfleet.gateway.envoy.messages import SUBSET_KEY, SUBSET_NAMESPACE, route_to, subset_hint
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
@@ -168,6 +168,12 @@ def _router(*urls: str) -> Router:
     return Router(GatewayConfig(routing="least-request"), pool, PrefixRouting(), GatewayMetrics())
 
 
+def destinations(router: Router, subset: frozenset[str] | None = None) -> list[str]:
+    """The picker's destination list for a request: its engine, then Envoy's fallback, within the subset hint."""
+    pick = router.dispatch(PromptKeys([]), outside_subset(router.pool.urls(), subset), fallbacks=FALLBACKS)
+    return [] if pick is None else [pick.url, *pick.fallbacks]
+
+
 def _with_subset(value) -> pb.ProcessingRequest:
     request = pb.ProcessingRequest(request_headers=pb.HttpHeaders())
     request.metadata_context.filter_metadata[SUBSET_NAMESPACE].update({SUBSET_KEY: value})
@@ -176,7 +182,7 @@ def _with_subset(value) -> pb.ProcessingRequest:
 
 def test_the_picker_names_the_best_engine_then_the_next_best_in_header_and_metadata() -> None:
     router = _router("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
-    urls = pick_destinations(router, PromptKeys([]))
+    urls = destinations(router)
     assert urls == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
     message = route_to(urls, None, None)
     [header] = [h.header for h in message.request_body.response.header_mutation.set_headers
@@ -206,7 +212,7 @@ def test_engines_are_named_by_address_as_envoy_names_its_hosts() -> None:
 def test_the_picker_picks_only_within_the_proxys_subset_hint(hint, expected) -> None:
     router = _router("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
     subset = subset_hint(_with_subset(hint))
-    assert pick_destinations(router, PromptKeys([]), subset=subset) == expected
+    assert destinations(router, subset) == expected
     assert subset_hint(pb.ProcessingRequest(request_headers=pb.HttpHeaders())) is None  # no hint: the whole pool
 
 

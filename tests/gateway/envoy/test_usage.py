@@ -26,8 +26,9 @@ from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.envoy.bootstrap import ENGINES_CLUSTER
 from kvfleet.gateway.envoy.feed import EnvoyFeed
 from kvfleet.gateway.envoy.lua import USAGE_NAMESPACE
-from kvfleet.gateway.limits.usage import Cost, Settlement
+from kvfleet.gateway.limits.usage import Settlement
 from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.token_estimate import Cost
 from tests.conftest import start_gateway, stop_process
 from tests.support.gateways import counter, wait_until_routable
 from tests.support.stand_in_engine import METRICS

@@ -15,8 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.limits.tenant_metrics import OTHER, REFRESH_S, TenantLabels, TenantMetrics
-from kvfleet.gateway.limits.usage import Settlement, Usage, request_cost
+from kvfleet.gateway.limits.usage import Settlement, Usage
 from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.token_estimate import request_cost
 from tests.conftest import one_sequence_engine_fixtures, start_gateway, stop_process
 from tests.support.clients import send
 from tests.support.engines import saturated

@@ -19,16 +19,13 @@ from redis.asyncio import Redis
 from kvfleet.gateway.limits.keys import KeyInfo, hash_key
 from kvfleet.gateway.limits.rate_limit import InProcessRateLimiter, RateLimiter
 from kvfleet.gateway.limits.usage import (
-    DEFAULT_MAX_TOKENS,
-    MAX_RESERVATION,
-    Cost,
     Settlement,
     StreamUsageMeter,
     Usage,
     answer_usage,
     ask_stream_usage,
-    request_cost,
 )
+from kvfleet.gateway.token_estimate import Cost, request_cost
 from tests.conftest import start_gateway, stop_process
 from tests.support.gateways import wait_until_routable
 from tests.support.token_windows import FLEET, settled_window, usage_chunk_only_to_who_asked, window_tokens
@@ -38,19 +35,7 @@ BURST_KEY = "sk-burst-" + "b" * 20  # tpm=500
 COUNTED_KEY = "sk-counted-" + "c" * 20  # a large tpm: only the accounting is looked at
 
 
-# ---- what a request reserves, and what its answer used (pure) -------------------------------------------------
-def test_a_reservation_is_the_prompt_estimate_plus_max_tokens_for_every_choice() -> None:
-    assert request_cost({"prompt": "x" * 40, "max_tokens": 50, "n": 3}) == Cost(prompt=10, completion=150)
-    assert request_cost({"prompt": ["x" * 8, "y" * 4], "max_tokens": 5, "n": 2}) == Cost(prompt=3, completion=20)
-    assert request_cost({"prompt": [1, 2, 3, 4, 5], "max_tokens": 7}) == Cost(prompt=5, completion=7)
-    chat = {"messages": [{"role": "user", "content": "z" * 16}], "max_tokens": 9, "max_completion_tokens": 3}
-    assert request_cost(chat) == Cost(prompt=4 + 4 + 4, completion=3)  # max_completion_tokens wins, as OpenAI's
-    assert request_cost({"prompt": "hi"}).completion == DEFAULT_MAX_TOKENS
-    # Wrong types are the schema's to refuse (400); the estimate must only not break on them.
-    assert request_cost({"prompt": 5, "max_tokens": "4", "n": True}) == Cost(prompt=0, completion=DEFAULT_MAX_TOKENS)
-    assert request_cost({"prompt": "hi", "max_tokens": 10**15, "n": 10**6}).tokens == MAX_RESERVATION
-
-
+# ---- what an answer used (pure) --------------------------------------------------------------------------------
 def sse(*events: dict | str) -> bytes:
     return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
 

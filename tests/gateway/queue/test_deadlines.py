@@ -13,7 +13,7 @@ import pytest
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.queue.order import Refusal
 from kvfleet.gateway.queue.wait import MIN_RELEASES, drain_rate, max_ahead, predicted_wait_s, retry_after_s
-from tests.support.queues import never_disconnects, release_all, replica, running
+from tests.support.queues import release_all, replica, running
 
 S, X = Priority.STANDARD, Priority.SHEDDABLE
 
@@ -120,7 +120,7 @@ def test_an_expired_entry_still_ends_its_wait(redis_server) -> None:
         async with running(q):
             entry, placed = await q.place(S, 200, "t", 1.0)
             assert placed.queued
-            assert (await q.wait(entry, never_disconnects)).value == "expired"
+            assert (await q.wait(entry)).value == "expired"
             assert await q.refresh_counts() == 0
     asyncio.run(scenario())
 

@@ -11,7 +11,7 @@ import redis
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.redis_keys import queue_key
 from kvfleet.gateway.queue.fleet import FleetQueue, Outcome
-from tests.support.queues import never_disconnects, replica, running
+from tests.support.queues import replica, running
 
 C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
 
@@ -26,7 +26,7 @@ async def until(condition, timeout: float = 5.0) -> None:
 
 async def wait_all(queue: FleetQueue, entries, order: list[str]) -> list[Outcome]:
     async def one(entry):
-        outcome = await queue.wait(entry, never_disconnects)
+        outcome = await queue.wait(entry)
         order.append(entry.id)
         return outcome
     return await asyncio.gather(*(one(e) for e in entries))
@@ -101,28 +101,26 @@ def test_the_deadline_ends_the_wait_and_removes_the_entry(redis_server) -> None:
         q = replica(redis_server.url, "a")
         async with running(q):
             entry = await q.enqueue(S, 150)
-            outcome = await q.wait(entry, never_disconnects)
+            outcome = await q.wait(entry)
             assert outcome is Outcome.EXPIRED
             assert await q.refresh_counts() == 0
             assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 0
     asyncio.run(scenario())
 
 
-def test_a_client_that_disconnects_leaves_the_queue_at_once(redis_server) -> None:
+def test_a_wait_cancelled_when_its_client_leaves_takes_its_entry_out_of_the_queue_at_once(redis_server) -> None:
     async def scenario() -> None:
         q = replica(redis_server.url, "a")
-        gone = asyncio.Event()
-
-        async def is_disconnected() -> bool:
-            return gone.is_set()
         async with running(q):
             entry = await q.enqueue(C, 30_000)
-            task = asyncio.ensure_future(q.wait(entry, is_disconnected))
-            await asyncio.sleep(0.1)
+            task = asyncio.ensure_future(q.wait(entry))
+            await asyncio.sleep(0)  # the wait has begun
             assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 1
-            gone.set()
-            assert await asyncio.wait_for(task, 2.0) is Outcome.DISCONNECTED
+            task.cancel()  # what a front does when its client's connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await task
             assert redis.Redis.from_url(redis_server.url).zcard(queue_key("f")) == 0
+            assert q.total() == 0 and not q._waiters
     asyncio.run(scenario())
 
 
@@ -233,7 +231,7 @@ def test_without_redis_the_queue_is_in_process() -> None:
         async with running(q):
             assert q.backend == "local"
             e = await q.enqueue(S, 60_000)
-            task = asyncio.ensure_future(q.wait(e, never_disconnects))
+            task = asyncio.ensure_future(q.wait(e))
             await q.release(1)
             assert await asyncio.wait_for(task, 1.0) is Outcome.GRANTED
     asyncio.run(scenario())
@@ -278,7 +276,7 @@ def test_after_a_release_the_replica_counts_what_is_left_at_once(redis_server) -
             entry = await q.enqueue(S, 30_000)
             await q.refresh_counts()
             assert q.total() == 1
-            waiting = asyncio.ensure_future(q.wait(entry, never_disconnects))
+            waiting = asyncio.ensure_future(q.wait(entry))
             assert [owner for _, owner in await q.release(1)] == ["a"]
             assert q.total() == 0  # no refresh in between
             assert await asyncio.wait_for(waiting, 5) is Outcome.GRANTED

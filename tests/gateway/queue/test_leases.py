@@ -12,7 +12,7 @@ import redis
 from kvfleet.fleet.priority import Priority
 from kvfleet.fleet.redis_keys import queue_entries_key, queue_key, queue_leases_key
 from kvfleet.gateway.queue.fleet import FleetQueue, Outcome, now_ms
-from tests.support.queues import never_disconnects, replica, running
+from tests.support.queues import replica, running
 
 S = Priority.STANDARD
 
@@ -55,7 +55,7 @@ def test_a_grant_whose_message_is_lost_reaches_its_owner_through_the_lease_once(
         async with running(a, b):
             await stop_listening(b)
             entry = await b.enqueue(S, 30_000)
-            waiting = asyncio.ensure_future(b.wait(entry, never_disconnects))
+            waiting = asyncio.ensure_future(b.wait(entry))
             assert await a.release(1) == [(entry.id, "b")]  # its message on b's channel is lost
             lease = leases(redis_server.url).get(entry.id)
             assert waiting.done() or lease.startswith("b|"), lease  # (unless b's reconcile took it just now)
@@ -78,7 +78,7 @@ def test_a_grant_that_arrives_acknowledges_its_lease(redis_server) -> None:
             store = redis.Redis.from_url(redis_server.url)
             await until(lambda: store.pubsub_numsub(b.redis.grants_channel)[0][1] == 1, "b never subscribed")
             entry = await b.enqueue(S, 30_000)
-            waiting = asyncio.ensure_future(b.wait(entry, never_disconnects))
+            waiting = asyncio.ensure_future(b.wait(entry))
             await a.release(1)
             assert await asyncio.wait_for(waiting, 5) is Outcome.GRANTED
             # acknowledged on arrival: a lease b did not acknowledge would stay until swept (8 s)
@@ -128,7 +128,7 @@ def test_an_entry_released_to_a_replica_while_it_queued_in_process_is_granted_wh
             await stop_tasks(b, "queue maintenance", "queue grants")  # b moves back when this test says so, and
             # hears nothing on its channel meanwhile (a replica cut off from Redis would not)
             await b._degrade(ConnectionError("b cannot reach Redis"))
-            waiting = asyncio.ensure_future(b.wait(entry, never_disconnects))
+            waiting = asyncio.ensure_future(b.wait(entry))
             assert await a.release(1) == [(entry.id, "b")]
             await asyncio.sleep(0.3)
             assert not waiting.done()  # b heard nothing: it is not listening while degraded

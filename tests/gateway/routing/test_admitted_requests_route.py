@@ -11,8 +11,11 @@ import json
 import httpx
 
 from kvfleet.fleet.load import EngineLoad
+from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.config import GatewayConfig
+from kvfleet.gateway.director import Admission, Ticket
 from kvfleet.gateway.engines.pool import EndpointPool
+from kvfleet.gateway.limits.access import Tenant
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
 from kvfleet.gateway.proxy import Forwarder
@@ -33,8 +36,11 @@ def test_an_admitted_request_goes_to_a_saturated_engine_rather_than_503() -> Non
                 config = GatewayConfig(engines=[engine.url])
                 forwarder = Forwarder(config, client, Router(config, pool, PrefixRouting(), GatewayMetrics()))
                 body = json.dumps({"model": "stand-in", "prompt": "hello"}).encode()
-                return await forwarder.forward("/v1/completions", body, {"content-type": "application/json"},
-                                               "rid", PromptKeys([]), on_tokens=None)
+                admission = Admission(None, Ticket(Priority.STANDARD, None, Tenant("default"), 30_000.0), body,
+                                      changed=False, hashes=PromptKeys([]), settlement=None, degraded=None,
+                                      queued=False, share=None, has_capacity=True)
+                return await forwarder.forward(admission, "/v1/completions", {"content-type": "application/json"},
+                                               "rid")
 
         response = asyncio.run(send())
         assert response.status_code == 200, bytes(response.body)
