@@ -1,9 +1,11 @@
-"""Gateway replicas as the simulation runs them: the gateway's real strategies (gateway/routing/pick.py) and prefix
-layers (gateway/prefix/: worth.py, kv_index.py, approximate.py), fed with each replica's own view.
+"""Gateway replicas as the simulation runs them: each routes with the gateway's own Router (gateway/routing/router.py:
+its strategies, its critical lane, its dispatch bookkeeping in an EndpointPool) and prefix layers (gateway/prefix/:
+worth.py, kv_index.py, approximate.py), fed with the replica's own view on the simulation's clock, so the simulator
+cannot drift from what it simulates.
 
 A replica sees engine load as of its last scrape (every 75 ms, staggered across replicas) plus its own dispatches
-since; the precise index takes each engine's KV events `delay` seconds after the engine published them; the
-approximate table learns from this replica's own routing only. The oracle sees every engine's cache and load as
+since (the pool's); the precise index takes each engine's KV events `delay` seconds after the engine published them;
+the approximate table learns from this replica's own routing only. The oracle sees every engine's cache and load as
 they are, with no delay, and picks the lowest estimated TTFT.
 """
 
@@ -14,15 +16,19 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from bench.prefix_sim.engine import Job, SimEngine
+from kvfleet.fleet.load import EngineLoad
+from kvfleet.gateway.config import GatewayConfig
+from kvfleet.gateway.engines.pool import EndpointPool
+from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix.kv_index import KVIndex
 from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
 from kvfleet.gateway.routing.pick import (
     EndpointSnapshot,
     RoutingContext,
-    Strategy,
     free_slots,
     pick,
 )
+from kvfleet.gateway.routing.router import Router
 from kvfleet.gateway.routing.strategies import strategy_named
 
 # policy -> (gateway strategy, prefix layer: None, "approximate" or "precise")
@@ -52,9 +58,6 @@ class Replica:
                  delays: list[float], seed: int) -> None:
         strategy, layer = POLICIES[policy]
         self.index, self.engines, self.clock, self.delays = index, engines, clock, delays
-        self.strategy: Strategy = strategy_named(strategy)
-        self.rng = random.Random(seed)
-        self.turn = self.rng.randrange(len(engines))
         self.prefix: PrefixRouting | None = None
         if layer is not None:
             tokenize = (lambda path, body: list(body["token_ids"])) if layer == "precise" else None
@@ -62,24 +65,22 @@ class Replica:
             if layer == "precise":
                 for engine in engines:
                     self.prefix.index.reset(engine.url)  # subscribed: an empty snapshot, then the stream
+        self.pool = EndpointPool(clock=clock)
+        self.pool.set_urls([e.url for e in engines])
+        self.router = Router(GatewayConfig(routing=strategy), self.pool, self.prefix or PrefixRouting(),
+                             GatewayMetrics(), rng=random.Random(seed), clock=clock)
+        self.slot = {e.url: k for k, e in enumerate(engines)}
         self.cursors = [0] * len(engines)  # absolute positions in each engine's event log
-        self.scraped: list[tuple[float, int, int, int, float]] = []  # (kv usage, waiting, running, pending, at)
-        self.sent = [0] * len(engines)
-        self.sent_tokens = [0] * len(engines)
         self.queue: deque[Job] = deque()
 
     def scrape(self, now: float) -> None:
-        self.scraped = [(e.blocks.usage, len(e.waiting), len(e.running) + len(e.admitted),
-                         e.prefill_tokens_pending(), now) for e in self.engines]
-        self.sent = [0] * len(self.engines)
-        self.sent_tokens = [0] * len(self.engines)
+        rate = self.engines[0].calibration.prefill_tokens_per_s
+        for e in self.engines:
+            self.pool.record_scrape(e.url, EngineLoad(e.blocks.usage, len(e.waiting), len(e.running) + len(e.admitted),
+                                                      e.shape.max_num_seqs, e.prefill_tokens_pending(), rate), now=now)
 
     def snapshots(self, now: float) -> list[EndpointSnapshot]:
-        rate, slots = self.engines[0].calibration.prefill_tokens_per_s, self.engines[0].shape.max_num_seqs
-        return [EndpointSnapshot(e.url, True, kv, waiting, running, now - at, self.sent[k], slots, pending, rate,
-                                 self.sent_tokens[k])
-                for k, (e, (kv, waiting, running, pending, at))
-                in enumerate(zip(self.engines, self.scraped, strict=True))]
+        return self.pool.snapshots(now)
 
     def take_events(self, now: float) -> None:
         """Apply every KV event published at least this replica's delay ago."""
@@ -92,29 +93,23 @@ class Replica:
             self.cursors[k] = position + engine.log_base
 
     def route(self, job: Job, now: float, must: bool = False) -> int | None:
-        """The engine this replica sends job to, or None: every engine is saturated and it waits in the queue."""
-        keys: PromptKeys | None = None
-        matches: dict[str, float] = {}
-        tokens = job.seq.num_prompt_tokens
+        """The engine this replica sends job to (the Router's choice, its dispatch recorded), or None: every engine
+        is saturated and it waits in the queue."""
+        keys = PromptKeys([], est_tokens=job.seq.num_prompt_tokens)
         if self.prefix is not None:
             if self.prefix.tokenize is not None:
                 self.take_events(now)
             keys = self.prefix.keys(PATH, job.meta["body"])
-            matches = self.prefix.matches(keys)
-        endpoints = self.snapshots(now)
-        chosen = pick(self.strategy, endpoints, RoutingContext(matches, must=must, turn=self.turn, num_tokens=tokens),
-                      self.rng)
-        if chosen is None:
+        urls = self.router.rank(keys, must=must)
+        if not urls:
             return None
-        self.turn += 1
-        k = next(i for i, e in enumerate(endpoints) if e is chosen)
-        self.sent[k] += 1
-        if keys is not None:
-            self.sent_tokens[k] += self.prefix.uncached_tokens(keys, chosen.url)
-            self.prefix.record(keys, chosen.url)
-        else:
-            self.sent_tokens[k] += tokens
-        return k
+        self.router.dispatched(keys, urls[0])
+        job.meta["replica"] = self
+        return self.slot[urls[0]]
+
+    def done(self, job: Job) -> None:
+        """Its answer ended: no longer open at its engine, as the proxy records it."""
+        self.pool.record_done(self.engines[job.engine].url, None)
 
     def releasable(self, now: float) -> int:
         """How many queued requests the fleet can take now, by this replica's view (routing/pick.py free_slots)."""

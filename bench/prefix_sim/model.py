@@ -106,7 +106,9 @@ def simulate(trace: list[Arrival], policy: str, fleet: FleetShape, calibration: 
         elif kind == _STEP:
             engine = engines[arg]
             waiting_first -= len(engine.admitted)
-            engine.finish_step(now)
+            for finished in engine.finish_step(now):
+                if "replica" in finished.meta:
+                    finished.meta["replica"].done(finished)
             step = engine.start_step()
             if step is not None:
                 order += 1

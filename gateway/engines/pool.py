@@ -45,6 +45,7 @@ class EndpointPool:
     membership_changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
     # each adapter's latest engine (its weights likely still read there), the oldest forgotten past MAX_ADAPTERS_KEPT
     last_engine: OrderedDict[str, str] = field(default_factory=OrderedDict, repr=False, compare=False)
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)  # a simulation's, in bench/
 
     def set_urls(self, urls: Iterable[str]) -> tuple[set[str], set[str]]:
         """Discovery's full set; returns (added, removed). A removed engine leaves the pool at once."""
@@ -70,7 +71,7 @@ class EndpointPool:
         if load is None:
             state.scrape_error = error
             return
-        state.load, state.scraped_at, state.scrape_error = load, now or time.monotonic(), None
+        state.load, state.scraped_at, state.scrape_error = load, self.clock() if now is None else now, None
         state.scrape_interval_s = interval_s
         state.dispatched_since_scrape = 0
         state.adapters_sent = set()
@@ -164,7 +165,7 @@ class EndpointPool:
         state = self.endpoints.get(url)
         if state is None:
             return False
-        now = now or time.monotonic()
+        now = self.clock() if now is None else now
         if now < state.ejected_until:
             return False
         if ok:
@@ -178,7 +179,7 @@ class EndpointPool:
         return False
 
     def snapshots(self, now: float | None = None) -> list[EndpointSnapshot]:
-        now = now or time.monotonic()
+        now = self.clock() if now is None else now
         out = []
         for s in self.endpoints.values():
             healthy = s.load is not None and s.scrape_error is None and now >= s.ejected_until

@@ -26,6 +26,7 @@ from bench.prefix_sim import (
 )
 from bench.prefix_sim.peers import SGLANG
 from bench.prefix_sim.report import herding_index
+from kvfleet.gateway.routing.router import Router
 
 CALIBRATION = Calibration(2000.0, {1: 0.01, 16: 0.02})
 # 12 tenants of ~300-400 tokens (20-25 blocks); each engine caches ~5 of them beside its batch: capacity binds
@@ -118,3 +119,16 @@ def test_cli_writes_table_json_and_chart(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(sys, "argv", ["prefix_sim", "--calibration", str(tmp_path / "missing.json")])
     with pytest.raises(SystemExit, match="prefix_sim: .*missing.json"):
         cli.main()
+
+
+@pytest.mark.parametrize("policy", ["least-request", "precise", "prefix-affinity"])
+def test_the_simulated_replicas_route_with_the_gateways_own_router(policy: str) -> None:
+    """Every pick a simulated replica makes is the gateway's Router's (its rank, its dispatch bookkeeping), counted
+    in its routing decisions: the simulator has no copy of the routing steps to drift from the gateway's."""
+    result = run(policy)
+    for replica in result.routers:
+        assert isinstance(replica.router, Router)
+        routed = sum(1 for job in result.jobs if job.meta.get("replica") is replica)
+        decisions = sum(sample.value for family in replica.router.metrics.registry.collect()
+                        for sample in family.samples if sample.name == "kvfleet_gateway_routing_decisions_total")
+        assert routed > 0 and decisions >= routed
