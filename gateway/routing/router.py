@@ -32,7 +32,9 @@ class Router:
                  rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.pool, self.prefix, self.metrics = config, pool, prefix, metrics
         self.rng, self.clock = rng or random.Random(), clock
-        self._turn = 0
+        # round-robin's rotation starts at a random engine, as Envoy's round robin does per worker: replicas started
+        # together would otherwise send their first requests to the same engines in lockstep
+        self._turn = self.rng.randrange(1 << 30)
         self._critical_at = -math.inf  # when this gateway last routed a critical request
 
     def reserved(self, snapshots: Sequence[EndpointSnapshot]) -> frozenset[str]:

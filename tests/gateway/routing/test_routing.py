@@ -101,3 +101,28 @@ def test_an_engine_slow_to_render_its_metrics_is_scraped_less_often_and_judged_s
     assert policy.is_stale(fast) and policy.is_saturated(fast)  # 0.3 s old at 13 scrapes/s: something is wrong
     assert not policy.is_stale(slow) and not policy.is_saturated(slow)  # less than one of its intervals
     assert policy.is_stale(EndpointSnapshot("b", True, 0.1, 0, 0, 1.1, scrape_interval_s=0.4))  # 2.5 missed
+
+
+def test_round_robin_replicas_started_together_do_not_rotate_in_lockstep() -> None:
+    """Each replica's rotation starts at a random engine (Envoy's round robin does the same per worker): eight
+    replicas started at once spread their first requests over the four engines instead of all sending to the first."""
+    from kvfleet.fleet.load import EngineLoad
+    from kvfleet.gateway.config import GatewayConfig
+    from kvfleet.gateway.engines.pool import EndpointPool
+    from kvfleet.gateway.metrics import GatewayMetrics
+    from kvfleet.gateway.prefix.worth import PrefixRouting, PromptKeys
+    from kvfleet.gateway.routing.router import Router
+
+    urls = [f"http://e{i}" for i in range(4)]
+    firsts = []
+    for seed in range(8):
+        pool = EndpointPool()
+        pool.set_urls(urls)
+        for url in urls:
+            pool.record_scrape(url, EngineLoad(kv_cache_usage=0.1, num_waiting=0, num_running=0))
+        router = Router(GatewayConfig(routing="round-robin"), pool, PrefixRouting(), GatewayMetrics(),
+                        rng=random.Random(seed))
+        picks = [router.choose(PromptKeys([])) for _ in range(8)]
+        assert Counter(picks) == {url: 2 for url in urls}  # still a rotation: each engine in turn
+        firsts.append(picks[0])
+    assert len(set(firsts)) >= 3, firsts
