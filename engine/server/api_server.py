@@ -182,8 +182,10 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
             raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which this engine does not "
                            "compute; send one of them", param="echo")
         echo = await asyncio.to_thread(_echo_texts, engine, prompts, body.skip_special_tokens) if body.echo else []
-        streams = await _start_choices(state, engine, prompts, params, body.n, request_id, body.priority, lora)
-        reply = Reply(request_id, _answering(state, lora), engine.tokenizer, body.n, echo=echo)
+        streams, prompt_ids = await _start_choices(state, engine, prompts, params, body.n, request_id, body.priority,
+                                                   lora)
+        reply = Reply(request_id, _answering(state, lora), engine.tokenizer, body.n, echo=echo,
+                      prompt_token_ids=prompt_ids if body.return_token_ids else None)
         if body.stream:
             return sse(completion_events(reply, streams, _include_usage(body)))
         return await _unless_disconnected(request, completion_body(reply, streams))
@@ -206,10 +208,12 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
             max_tokens = max(1, engine.max_model_len - len(prompt))
         params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await _start_choices(state, engine, [prompt], params, body.n, request_id, body.priority, lora)
+        streams, prompt_ids = await _start_choices(state, engine, [prompt], params, body.n, request_id,
+                                                   body.priority, lora)
         last = messages[-1]
         echo = [last["content"]] if body.echo and last["role"] == "assistant" else []
-        reply = Reply(request_id, _answering(state, lora), engine.tokenizer, body.n, echo=echo)
+        reply = Reply(request_id, _answering(state, lora), engine.tokenizer, body.n, echo=echo,
+                      prompt_token_ids=prompt_ids if body.return_token_ids else None)
         if body.stream:
             return sse(chat_events(reply, streams, _include_usage(body)))
         return await _unless_disconnected(request, chat_body(reply, streams))
@@ -293,9 +297,11 @@ def _params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> Sam
 
 async def _start_choices(state: ServerState, engine: AsyncEngine, prompts: list[str | list[int]],
                          params: SamplingParams, n: int, request_id: str, priority: int, lora: LoraSpec | None
-                         ) -> list[AsyncIterator[RequestOutput]]:
-    """One engine request per choice (n per prompt); if one is refused, the ones already started are aborted."""
+                         ) -> tuple[list[AsyncIterator[RequestOutput]], list[list[int]]]:
+    """One engine request per choice (n per prompt), and each prompt's token ids; if one is refused, the ones
+    already started are aborted."""
     streams: list[AsyncIterator[RequestOutput]] = []
+    prompt_ids: list[list[int]] = []
     try:
         for p_index, prompt in enumerate(prompts):
             for copy in range(n):
@@ -305,17 +311,22 @@ async def _start_choices(state: ServerState, engine: AsyncEngine, prompts: list[
                     choice_params = dataclasses.replace(params, seed=(params.seed + copy) % 2**64)
                 index = p_index * n + copy
                 choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
-                streams.append(await _start(state, engine, prompt, choice_params, choice_id, priority, lora))
+                stream, ids = await _start(state, engine, prompt, choice_params, choice_id, priority, lora)
+                streams.append(stream)
+                if copy == 0:
+                    prompt_ids.append(ids)
     except APIError:
         for stream in streams:
             await stream.aclose()
         raise
-    return streams
+    return streams, prompt_ids
 
 
 async def _start(state: ServerState, engine: AsyncEngine, prompt: str | list[int], params: SamplingParams,
-                 request_id: str, priority: int, lora: LoraSpec | None) -> AsyncIterator[RequestOutput]:
-    """Submit and wait for the first output, so that refusals become HTTP errors before any byte is sent."""
+                 request_id: str, priority: int, lora: LoraSpec | None
+                 ) -> tuple[AsyncIterator[RequestOutput], list[int]]:
+    """Submit and wait for the first output, so that refusals become HTTP errors before any byte is sent; the
+    request's outputs, and its prompt's token ids."""
     stream = engine.generate(prompt, params, request_id, priority, lora)
     try:
         first = await stream.__anext__()
@@ -339,7 +350,7 @@ async def _start(state: ServerState, engine: AsyncEngine, prompt: str | list[int
         finally:
             await stream.aclose()
 
-    return chained()
+    return chained(), list(first.prompt_token_ids)
 
 
 # --- errors -------------------------------------------------------------------------------------

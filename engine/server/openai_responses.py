@@ -29,12 +29,16 @@ class Reply:
     n: int = 1  # choices per prompt: choice i answers prompt i // n
     created: int = field(default_factory=lambda: int(time.time()))
     echo: list[str] = field(default_factory=list)  # per prompt, the text each of its choices starts with
+    prompt_token_ids: list[list[int]] | None = None  # per prompt, when the request asked for return_token_ids
 
     def echoed(self, choice: int) -> str:
         return self.echo[choice // self.n] if self.echo else ""
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def prompt_ids(self, choice: int) -> list[int]:
+        return self.prompt_token_ids[choice // self.n]
 
 
 def usage(reply: Reply, finals: list[RequestOutput]) -> dict:
@@ -98,6 +102,9 @@ async def completion_body(reply: Reply, streams: list[AsyncIterator[RequestOutpu
     choices = [{"index": i, "text": reply.echoed(i) + text,
                 "logprobs": completion_logprobs(reply, token_ids, logprobs),
                 "finish_reason": out.finish_reason} for i, (out, text, token_ids, logprobs) in enumerate(results)]
+    if reply.prompt_token_ids is not None:  # vLLM's return_token_ids: on each choice
+        for i, (choice, (_, _, token_ids, _)) in enumerate(zip(choices, results, strict=True)):
+            choice.update(prompt_token_ids=reply.prompt_ids(i), token_ids=token_ids)
     return {"id": reply.request_id, "object": "text_completion", "created": reply.created, "model": reply.model,
             "choices": choices, "usage": usage(reply, [r[0] for r in results])}
 
@@ -107,8 +114,13 @@ async def chat_body(reply: Reply, streams: list[AsyncIterator[RequestOutput]]) -
     choices = [{"index": i, "message": {"role": "assistant", "content": reply.echoed(i) + text},
                 "logprobs": chat_logprobs(reply, token_ids, logprobs), "finish_reason": out.finish_reason}
                for i, (out, text, token_ids, logprobs) in enumerate(results)]
-    return {"id": reply.request_id, "object": "chat.completion", "created": reply.created, "model": reply.model,
+    body = {"id": reply.request_id, "object": "chat.completion", "created": reply.created, "model": reply.model,
             "choices": choices, "usage": usage(reply, [r[0] for r in results])}
+    if reply.prompt_token_ids is not None:  # vLLM's return_token_ids: the prompt once, each choice's own tokens
+        body["prompt_token_ids"] = reply.prompt_ids(0)
+        for choice, (_, _, token_ids, _) in zip(choices, results, strict=True):
+            choice["token_ids"] = token_ids
+    return body
 
 
 async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -175,6 +187,7 @@ async def completion_events(reply: Reply, streams: list[AsyncIterator[RequestOut
                             include_usage: bool) -> AsyncIterator[dict]:
     finals: dict[int, RequestOutput] = {}
     offsets = [0] * len(streams)
+    sent_prompt: set[int] = set()
     for index in range(len(streams)):
         if reply.echoed(index):  # as vLLM streams an echo: the prompt in a chunk of its own, first
             yield {"id": reply.request_id, "object": "text_completion", "created": reply.created,
@@ -186,12 +199,19 @@ async def completion_events(reply: Reply, streams: list[AsyncIterator[RequestOut
             return
         if out.finished:
             finals[index] = out
-        if out.text_delta or out.finished or out.logprobs:
+        ids = reply.prompt_token_ids is not None
+        if out.text_delta or out.finished or out.logprobs or (ids and out.new_token_ids):
             logprobs = completion_logprobs(reply, out.new_token_ids, out.logprobs, offsets[index])
             offsets[index] += len(out.text_delta)
+            choice = {"index": index, "text": out.text_delta, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason if out.finished else None}
+            if ids:  # vLLM's return_token_ids: the prompt's in each choice's first chunk, then each chunk's own
+                if index not in sent_prompt:
+                    sent_prompt.add(index)
+                    choice["prompt_token_ids"] = reply.prompt_ids(index)
+                choice["token_ids"] = out.new_token_ids
             yield {"id": reply.request_id, "object": "text_completion", "created": reply.created,
-                   "model": reply.model, "choices": [{"index": index, "text": out.text_delta, "logprobs": logprobs,
-                                                      "finish_reason": out.finish_reason if out.finished else None}]}
+                   "model": reply.model, "choices": [choice]}
     if include_usage and len(finals) == len(streams):
         yield {"id": reply.request_id, "object": "text_completion", "created": reply.created, "model": reply.model,
                "choices": [], "usage": usage(reply, [finals[i] for i in range(len(streams))])}
@@ -199,24 +219,32 @@ async def completion_events(reply: Reply, streams: list[AsyncIterator[RequestOut
 
 async def chat_events(reply: Reply, streams: list[AsyncIterator[RequestOutput]],
                       include_usage: bool) -> AsyncIterator[dict]:
-    def chunk(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    ids = reply.prompt_token_ids is not None
+
+    def chunk(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None,
+              token_ids: list[int] | None = None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if ids and token_ids is not None:  # vLLM's return_token_ids: each chunk's own tokens
+            choice["token_ids"] = token_ids
         return {"id": reply.request_id, "object": "chat.completion.chunk", "created": reply.created,
-                "model": reply.model,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+                "model": reply.model, "choices": [choice]}
 
     for index in range(len(streams)):
-        yield chunk(index, {"role": "assistant", "content": reply.echoed(index)}, None)
+        first = chunk(index, {"role": "assistant", "content": reply.echoed(index)}, None)
+        if ids and index == 0:  # the prompt's, once, in the first chunk (vLLM's place for it)
+            first["prompt_token_ids"] = reply.prompt_ids(0)
+        yield first
     finals: dict[int, RequestOutput] = {}
     async for index, out in merged(streams):
         if out.finish_reason == "error":
             yield _engine_failure(out)
             return
-        if out.text_delta or out.logprobs:
+        if out.text_delta or out.logprobs or (ids and out.new_token_ids):
             yield chunk(index, {"content": out.text_delta}, None,
-                        chat_logprobs(reply, out.new_token_ids, out.logprobs))
+                        chat_logprobs(reply, out.new_token_ids, out.logprobs), out.new_token_ids)
         if out.finished:
             finals[index] = out
-            yield chunk(index, {}, out.finish_reason)
+            yield chunk(index, {}, out.finish_reason, token_ids=[])
     if include_usage and len(finals) == len(streams):
         yield {"id": reply.request_id, "object": "chat.completion.chunk", "created": reply.created,
                "model": reply.model, "choices": [], "usage": usage(reply, [finals[i] for i in range(len(streams))])}

@@ -67,6 +67,9 @@ class SamplingRequest(BaseModel):
     priority: Int64 = 0
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # the prompt's token ids and each choice's generated ones in the answer, in vLLM's fields: what a gateway needs to
+    # continue an answer its engine dropped on another engine, from the exact token
+    return_token_ids: StrictBool = False
     # SGLang's names and no-ops, as sglang-router and smg add them to every request they forward
     no_stop_trim: StrictBool = False  # SGLang's include_stop_str_in_output
     return_hidden_states: StrictBool = False  # refused when true (check_against_model)
