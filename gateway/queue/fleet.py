@@ -62,8 +62,9 @@ class FleetQueue:
         self._counts = {p: 0 for p in Priority}
         self._missing_once: set[str] = set()
         self._stopping = False
-        self._drained: list[float] = []  # the times of the fleet's latest releases, as of the last refresh
-        self._local_drained: deque[float] = deque(maxlen=DRAIN_SAMPLE)  # this replica's while Redis is down
+        self._drained: list[tuple[float, float]] = []  # the fleet's latest releases (queued, released), as of then
+        self._busy_since: float | None = None  # when the fleet queue last began to hold entries, as of then
+        self._local_drained: deque[tuple[float, float]] = deque(maxlen=DRAIN_SAMPLE)  # its own while Redis is down
         self._tasks: list[asyncio.Task] = []
         self._seq = 0
         self._restore_failures = 0
@@ -106,7 +107,7 @@ class FleetQueue:
         if self.using_redis:
             try:
                 self._counts = await self.redis.counts()
-                self._drained = await self.redis.drained(now_ms())
+                self._drained, self._busy_since = await self.redis.drained(now_ms())
             except REDIS_DOWN as err:
                 await self._degrade(err)
         return self.total()
@@ -114,7 +115,9 @@ class FleetQueue:
     def drain_rate_per_s(self) -> float | None:
         """Entries the queue released per second lately, fleet-wide (this replica's while degraded); None while too
         few were released to tell (queue/wait.py)."""
-        return drain_rate(self._drained if self.using_redis else self._local_drained, time.time())
+        if self.using_redis:
+            return drain_rate(self._drained, time.time(), self._busy_since)
+        return drain_rate(self._local_drained, time.time(), self.local.busy_since)
 
     async def enqueue(self, priority: Priority, max_wait_ms: float, tenant: str = DEFAULT_TENANT,
                       charge: float = 0.0) -> QueueEntry | None:
@@ -133,7 +136,8 @@ class FleetQueue:
         arrival = now_ms()
         entry = QueueEntry(id=f"{self.gateway_id}-{self._seq}", priority=priority,
                            score=queue_score(arrival, priority, self.aging_ms),
-                           deadline_ms=arrival + max_wait_ms, owner=self.gateway_id, tenant=tenant, charge=charge)
+                           deadline_ms=arrival + max_wait_ms, owner=self.gateway_id, tenant=tenant, charge=charge,
+                           arrival_ms=arrival)
         bound = max_ahead(self.drain_rate_per_s(), max_wait_ms) if deadline_aware else None
         # registered first, so a reconcile running meanwhile does not take it for an orphan
         self._entries[entry.id] = entry
@@ -218,7 +222,8 @@ class FleetQueue:
             return released
         out = []
         for entry in self.local.release(n):
-            self._local_drained.append(time.time())
+            released = time.time()
+            self._local_drained.append((released if entry.arrival_ms is None else entry.arrival_ms / 1000.0, released))
             self._grant(entry.id)
             out.append((entry.id, self.gateway_id))
         return out

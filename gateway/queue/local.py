@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.queue.fair_order import FairOrder
 from kvfleet.gateway.queue.order import Placement, QueueEntry, Refusal
@@ -11,6 +13,7 @@ class LocalQueue:
     def __init__(self, policy: str = "fair") -> None:
         self.order = FairOrder(policy)
         self._counts = {p: 0 for p in Priority}
+        self._busy_since = 0.0
 
     def enqueue(self, entry: QueueEntry, cap: int | None) -> bool:
         return self.place(entry, cap).queued
@@ -28,6 +31,8 @@ class LocalQueue:
         ahead = self.order.ahead(entry)
         if max_ahead is not None and ahead > max_ahead:
             return Placement(Refusal.TOO_LONG, ahead)
+        if not self.order:
+            self._busy_since = time.time()
         self.order.add(entry)
         self._counts[entry.priority] += 1
         return Placement(None, ahead)
@@ -59,6 +64,11 @@ class LocalQueue:
 
     def counts(self) -> dict[Priority, int]:
         return dict(self._counts)
+
+    @property
+    def busy_since(self) -> float | None:
+        """When (seconds since the epoch) the queue last began to hold entries; None while it is empty."""
+        return self._busy_since if self.order else None
 
     def __len__(self) -> int:
         return len(self.order)

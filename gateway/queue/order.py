@@ -31,6 +31,7 @@ class QueueEntry:
     owner: str  # the gateway replica holding the client's connection
     tenant: str = DEFAULT_TENANT
     charge: float = 0.0  # its estimated tokens / its tenant's weight, added to the tenant's counter on release
+    arrival_ms: float | None = None  # wall-clock epoch ms it was queued at (its wait counts in the drain rate)
 
 
 class Refusal(StrEnum):

@@ -8,6 +8,8 @@ kvfleet.fleet.redis_keys.
 
 from __future__ import annotations
 
+import time
+
 from redis.asyncio import Redis
 
 from kvfleet.fleet import redis_keys
@@ -20,7 +22,8 @@ IDLE_COUNTERS_TTL_MS = 3_600_000  # a band's idle counters go after an hour with
 NO_BOUND = 1 << 50  # max_ahead when there is none
 PLACED = {1: None, 0: Refusal.CLASS_FULL, 2: Refusal.TENANT_FULL, 3: Refusal.TOO_LONG}  # _ENQUEUE's statuses
 
-# Every script starts with this prelude: the band keys (KEYS[5..4+2n]: each band's active and idle tenants), the
+# Every script starts with this prelude: the queue's keys (KEYS[1..5]: the queue, its entries, its classes, the band
+# floors, its busy period's start), the band keys (KEYS[6..5+2n]: each band's active and idle tenants), the
 # band names and tenant-key prefixes (ARGV[2..1+2n]), and helpers that keep the tenants' structures with the queue.
 # Counters travel as the strings Redis gives (never Lua numbers, which print with 14 digits), so the Redis queue
 # adds and compares exactly the doubles that queue/fair_order.py does.
@@ -28,12 +31,12 @@ _PRELUDE = """
 local nb = tonumber(ARGV[1])
 local band, ORDER = {}, {}
 for i = 1, nb do
-  local b = {name = ARGV[1 + i], active = KEYS[3 + 2 * i], idle = KEYS[4 + 2 * i], prefix = ARGV[1 + nb + i]}
+  local b = {name = ARGV[1 + i], active = KEYS[4 + 2 * i], idle = KEYS[5 + 2 * i], prefix = ARGV[1 + nb + i]}
   band[b.name] = b
   ORDER[i] = b
 end
 local MAX_IDLE, IDLE_TTL = tonumber(ARGV[2 + 2 * nb]), ARGV[3 + 2 * nb]
-local A, K = 3 + 2 * nb, 4 + 2 * nb
+local A, K = 3 + 2 * nb, 5 + 2 * nb
 
 local function trim_idle(b)
   local n = redis.call('ZCARD', b.idle)
@@ -60,13 +63,18 @@ local function charge(b, tenant, amount)
   end
 end
 
-local function parse(meta)
-  local owner, prio, deadline, amount, tenant = string.match(meta, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
+local function parse(meta)  -- owner|priority|deadline ms|charge|queued ms|tenant (tenant names hold no '|')
+  local owner, prio, deadline, amount, queued, tenant =
+    string.match(meta, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
+  if owner == nil then  -- queued by a gateway from before queued times were kept
+    owner, prio, deadline, amount, tenant = string.match(meta, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
+    queued = ''
+  end
   if owner == nil then  -- queued by a gateway from before tenants
     owner, prio, deadline = string.match(meta, '^([^|]*)|([^|]*)|(.*)$')
     amount, tenant = '0', ''
   end
-  return owner, prio, deadline, amount, tenant
+  return owner, prio, deadline, amount, tenant, queued
 end
 
 local function unlink(id)
@@ -74,6 +82,7 @@ local function unlink(id)
   local meta = redis.call('HGET', KEYS[2], id)
   if not meta then return false end
   redis.call('HDEL', KEYS[2], id)
+  if redis.call('HLEN', KEYS[2]) == 0 then redis.call('DEL', KEYS[5]) end  -- the busy period ends
   local owner, prio, deadline, amount, tenant = parse(meta)
   redis.call('HINCRBY', KEYS[3], prio, -1)
   local b = band[prio]
@@ -132,6 +141,7 @@ end
 if ahead > max_ahead then return {3, ahead} end
 redis.call('ZADD', KEYS[1], score, id)
 redis.call('HSET', KEYS[2], id, meta)
+if redis.call('HLEN', KEYS[2]) == 1 then redis.call('SET', KEYS[5], ARGV[A + 12]) end  -- a busy period begins
 redis.call('HINCRBY', KEYS[3], prio, 1)
 if b then
   activate(b, tenant)
@@ -155,8 +165,8 @@ return 1
 # window (replicas that saw the same free room between two scrapes must not each fill it); an entry whose owner has
 # no heartbeat, or whose deadline is long past, is dropped and the next one taken. Entries of other live replicas
 # are handed to them on their grants channel and leased to them (KEYS[K+2]) until they acknowledge. Each release's
-# time goes into KEYS[K+3] (the drain rate), trimmed to the last ARGV[A+9] ms. Heartbeat keys and grants channels are
-# a prefix and an owner's id.
+# time goes into KEYS[K+3] (the drain rate; its member is "queued ms|id"), trimmed to the last ARGV[A+9] ms.
+# Heartbeat keys and grants channels are a prefix and an owner's id.
 _RELEASE = _PRELUDE + """
 local want = tonumber(ARGV[A + 1]) - tonumber(redis.call('GET', KEYS[K + 1]) or '0')
 local heartbeat, now, grace, me = ARGV[A + 2], tonumber(ARGV[A + 3]), tonumber(ARGV[A + 4]), ARGV[A + 5]
@@ -190,7 +200,7 @@ while count < want do
   if not id then break end
   local meta = redis.call('HGET', KEYS[2], id)
   if meta then
-    local owner, prio, deadline, amount, tenant = parse(meta)
+    local owner, prio, deadline, amount, tenant, queued = parse(meta)
     if redis.call('EXISTS', heartbeat .. owner) == 1 and tonumber(deadline) + grace > now then
       if policy == 'fair' and band[prio] then charge(band[prio], tenant, amount) end
       if owner ~= me then  -- leased to its owner until it acknowledges: a grant it misses is not lost
@@ -199,7 +209,7 @@ while count < want do
       end
       table.insert(released, id)
       table.insert(released, owner)
-      redis.call('ZADD', KEYS[K + 3], ARGV[A + 3], id)
+      redis.call('ZADD', KEYS[K + 3], ARGV[A + 3], queued .. '|' .. id)
       count = count + 1
     end
   end
@@ -257,7 +267,8 @@ class RedisQueue:
         self.policy = policy
         bands = sorted(Priority, key=lambda p: p.rank)
         self.keys = [redis_keys.queue_key(fleet), redis_keys.queue_entries_key(fleet),
-                     redis_keys.queue_classes_key(fleet), redis_keys.queue_floors_key(fleet)]
+                     redis_keys.queue_classes_key(fleet), redis_keys.queue_floors_key(fleet),
+                     redis_keys.queue_busy_since_key(fleet)]
         for p in bands:
             self.keys += [redis_keys.queue_band_tenants_key(fleet, p), redis_keys.queue_band_idle_key(fleet, p)]
         self._band_args = [len(bands), *(p.value for p in bands),
@@ -286,11 +297,13 @@ class RedisQueue:
                     max_ahead: int | None = None) -> Placement:
         """Queues the entry unless its class holds `cap` entries, its tenant `tenant_cap`, or more than `max_ahead`
         would go before it (None: no such bound); how many go before it either way."""
-        meta = f"{entry.owner}|{entry.priority.value}|{int(entry.deadline_ms)}|{float(entry.charge)!r}|{entry.tenant}"
+        queued = "" if entry.arrival_ms is None else repr(float(entry.arrival_ms))
+        meta = (f"{entry.owner}|{entry.priority.value}|{int(entry.deadline_ms)}|{float(entry.charge)!r}|{queued}|"
+                f"{entry.tenant}")
         status, ahead = await self._run("enqueue", [
             entry.id, entry.score, meta, entry.priority.value, cap, entry.tenant, repr(float(entry.deadline_ms)),
             -1 if tenant_cap is None else tenant_cap, NO_BOUND if max_ahead is None else max_ahead, self.policy,
-            TENANTS_VISITED])
+            TENANTS_VISITED, queued or repr(time.time() * 1000.0)])
         return Placement(PLACED[int(status)], int(ahead))
 
     async def remove(self, entry_id: str) -> bool:
@@ -311,13 +324,20 @@ class RedisQueue:
         flat = [x.decode() if isinstance(x, bytes) else x for x in flat]
         return list(zip(flat[0::2], flat[1::2], strict=True))
 
-    async def drained(self, now_ms: float) -> list[float]:
-        """The times (seconds since the epoch) of the last DRAIN_SAMPLE entries released fleet-wide within the last
-        DRAIN_WINDOW_S seconds, newest first."""
-        newest = await self.client.zrevrangebyscore(redis_keys.queue_drained_key(self.fleet), "+inf",
-                                                    f"({now_ms - DRAIN_WINDOW_S * 1000}", start=0, num=DRAIN_SAMPLE,
-                                                    withscores=True)
-        return [score / 1000.0 for _, score in newest]
+    async def drained(self, now_ms: float) -> tuple[list[tuple[float, float]], float | None]:
+        """The last DRAIN_SAMPLE entries released fleet-wide within the last DRAIN_WINDOW_S seconds, newest first,
+        each as (queued, released) in seconds since the epoch (one queued by a gateway from before queued times
+        were kept: waited no time), and when the queue's busy period began (None while it is empty)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.zrevrangebyscore(redis_keys.queue_drained_key(self.fleet), "+inf",
+                                  f"({now_ms - DRAIN_WINDOW_S * 1000}", start=0, num=DRAIN_SAMPLE, withscores=True)
+            pipe.get(redis_keys.queue_busy_since_key(self.fleet))
+            newest, busy_since = await pipe.execute()
+        releases = []
+        for member, released_ms in newest:
+            queued, sep, _ = (member.decode() if isinstance(member, bytes) else member).partition("|")
+            releases.append((float(queued) / 1000.0 if sep and queued else released_ms / 1000.0, released_ms / 1000.0))
+        return releases, None if busy_since is None else float(busy_since) / 1000.0
 
     async def sweep(self, now_ms: float, own_live_ids: set[str] | None = None) -> int:
         """Drops entries of dead replicas and long-expired ones; with own_live_ids, this replica's orphans too."""

@@ -1,14 +1,19 @@
 """How long a request would wait in the fleet queue, and the Retry-After the gateway gives when it will not wait.
 
-The fleet's drain rate is how fast the queue released entries lately: over its last DRAIN_SAMPLE releases within
-DRAIN_WINDOW_S seconds (fleet-wide in Redis, each release's time kept to the millisecond by the release script; this
-replica's own releases while Redis is down), the releases after the oldest one divided by the time since it. The
-oldest counts as the start: the room it took opened before it, so counting it would quote a rate the fleet never ran
-at, and so would rounding its time down to a whole second. While the queue is not empty every new request queues, so
-that rate is the fleet's throughput for queued work. A request with `ahead` entries before it is released after about
-(ahead + 1) / rate seconds; one that cannot be released by its deadline is answered at once instead of being held
-until the deadline passes. Too few releases to measure a rate (a queue that just formed): no estimate, and nobody is
-refused on it.
+The fleet's drain rate is how fast the queue released entries while it held some. Each release keeps, to the
+millisecond, when its entry was queued and when it was released (fleet-wide in Redis; this replica's own while Redis
+is down), and the queue keeps when it last went from empty to holding an entry. The queue held entries over the union
+of its entries' waits, and of the time since that start while it still holds some; in that time every request that
+came queued, and one left each time the fleet had room, so the releases over that busy time are the fleet's
+throughput for queued work. The time the queue was empty does not count: a queue that forms for a moment now and
+then, while most requests go straight to an engine, releases a few entries in a long time, and a rate over all of
+that time quoted a fleet serving 0.19/s that served 2/s (requests refused for deadlines they would have met). The
+releases counted are those within DRAIN_WINDOW_S seconds, at most the last DRAIN_SAMPLE; with more in the window, the
+oldest sampled release is the start, and does not count: the room it took opened before it.
+
+A request with `ahead` entries before it is released after about (ahead + 1) / rate seconds; one that cannot be
+released by its deadline is answered at once instead of being held until the deadline passes. Too few releases to
+measure a rate (a queue that just formed): no estimate, and nobody is refused on it.
 """
 
 from __future__ import annotations
@@ -23,15 +28,33 @@ RETRY_AFTER_LIMITS_S = (1, 3600)
 UNKNOWN_RETRY_AFTER_S = 5  # a Retry-After when no rate is known
 
 
-def drain_rate(release_times_s: Iterable[float], now_s: float) -> float | None:
-    """Releases per second from the times of recent releases (in seconds, any order): those within the window after
-    the oldest of them, over the time since it; None with fewer than MIN_RELEASES, or all at one instant."""
-    times = [t for t in release_times_s if t > now_s - DRAIN_WINDOW_S]  # another replica's clock may run ahead
-    if len(times) < MIN_RELEASES:
+def drain_rate(releases: Iterable[tuple[float, float]], now_s: float,
+               busy_since_s: float | None = None) -> float | None:
+    """Releases per second of queued time, from recent releases as (queued, released) times in seconds, any order,
+    and the start of the queue's busy period while it holds entries (None while it is empty): the releases within
+    the window over the union of their waits and of that period, clipped to the window (module docstring). None
+    with fewer than MIN_RELEASES, or no time queued."""
+    window_start = now_s - DRAIN_WINDOW_S
+    recent = sorted((released, queued) for queued, released in releases if released > window_start)
+    if len(recent) < MIN_RELEASES:
         return None
-    first = min(times)
-    after, span = sum(t > first for t in times), now_s - first
-    return after / span if after and span > 0 else None
+    start = recent[0][0] if len(recent) >= DRAIN_SAMPLE else window_start
+    # (a queued time after its release: replicas' clocks apart; it waited no time that counts)
+    waits = [(min(max(queued, start), released), released) for released, queued in recent if released > start]
+    if busy_since_s is not None:
+        waits.append((max(busy_since_s, start), now_s))
+    busy = _union_length(waits)
+    counted = sum(released > start for released, _ in recent)
+    return counted / busy if counted and busy > 0 else None
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, -math.inf
+    for begin, end in sorted(intervals):
+        if end > reach:
+            total += end - max(begin, reach)
+            reach = end
+    return total
 
 
 def max_ahead(rate: float | None, max_wait_ms: float) -> int | None:

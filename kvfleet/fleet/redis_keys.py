@@ -64,6 +64,13 @@ def queue_drained_key(fleet: str) -> str:
     return key_prefix(fleet) + "queue:drained"
 
 
+def queue_busy_since_key(fleet: str) -> str:
+    """String: when (ms since the epoch) the queue last went from empty to holding an entry; absent while it is
+    empty. Set by the enqueue script, removed by whichever script takes its last entry: the drain rate counts the
+    releases since it (gateway/queue/wait.py)."""
+    return key_prefix(fleet) + "queue:busy_since"
+
+
 def tenant_inflight_key(fleet: str, tenant: str) -> str:
     """Sorted set: a tenant's admitted, unfinished requests (id -> lease expiry ms), for its in-flight cap."""
     return key_prefix(fleet) + f"tenant:{tenant}:inflight"

@@ -12,20 +12,47 @@ import pytest
 
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.queue.order import Refusal
-from kvfleet.gateway.queue.wait import MIN_RELEASES, drain_rate, max_ahead, predicted_wait_s, retry_after_s
+from kvfleet.gateway.queue.wait import DRAIN_SAMPLE, MIN_RELEASES, drain_rate, max_ahead, predicted_wait_s, retry_after_s
 from tests.support.queues import release_all, replica, running
 
 S, X = Priority.STANDARD, Priority.SHEDDABLE
 
 
-def test_the_drain_rate_is_releases_after_the_first_over_the_time_since_it() -> None:
+def waited(queued: float, *released: float) -> list[tuple[float, float]]:
+    """Entries all queued at `queued` and released at the given times, as drain_rate takes them."""
+    return [(queued, r) for r in released]
+
+
+def test_the_drain_rate_is_releases_over_the_time_the_queue_held_entries() -> None:
     now = 1000.5
     assert drain_rate([], now) is None
-    assert drain_rate([1000.1, 1000.2], now) is None  # too few to tell: nobody is refused on it
-    assert drain_rate([1000.0] * 4, now) is None  # one burst of room taken at once: no rate yet
-    assert drain_rate([991.0 + i / 3 for i in range(28)], now) == pytest.approx(3.0, rel=0.1)
-    assert drain_rate([997.5, 998.5, 999.5, 1000.5], now) == pytest.approx(1.0)  # since they began
-    assert drain_rate([900.0] * 50 + [999.5, 1000.0, 1000.5], now) == pytest.approx(2.0)  # outside the window
+    assert drain_rate(waited(1000.0, 1000.1, 1000.2), now) is None  # too few to tell: nobody is refused on it
+    assert drain_rate(waited(1000.0, *[1000.0] * 4), now) is None  # queued and released at one instant: no time
+    # a steady drain through the window: 3 a second
+    assert drain_rate([(990.0 + i / 3, 991.0 + i / 3) for i in range(28)], now) == pytest.approx(3.0, rel=0.1)
+    # four queued at once, released a second apart, the last still queued behind them: since they were queued
+    assert drain_rate(waited(997.0, 997.5, 998.5, 999.5, 1000.5), now, busy_since_s=997.0) == pytest.approx(4 / 3.5)
+    assert drain_rate(waited(900.0, *[900.0] * 50) + waited(999.0, 999.5, 1000.0, 1000.5), now) == pytest.approx(2.0)
+
+
+def test_the_drain_rate_counts_only_the_time_the_queue_held_entries() -> None:
+    """A queue that forms for a moment now and then, while most requests go straight to an engine, released few
+    entries over a long time: the idle time between does not describe the fleet. What a CI machine saw (the rate
+    then was releases over the time since the first): three releases in a moment 10 s ago and two now quoted
+    0.19/s for a fleet serving 2/s, and a request 5 behind was refused for an 18 s deadline it would have met."""
+    now = 1000.0
+    flickers = waited(990.0, 990.4, 990.5, 990.6) + waited(999.0, 999.5, 1000.0)
+    assert drain_rate(flickers, now, busy_since_s=999.0) == pytest.approx(5 / 1.6)
+    # the queue held entries all along: the whole window counts
+    steady = [(989.0 + i / 4, 990.0 + i / 4) for i in range(1, 41)]
+    assert drain_rate(steady, now, busy_since_s=980.0) == pytest.approx(4.0, rel=0.05)
+    # more releases than the sample holds: over the sample's own span, the oldest not counted
+    fast = [(now - 1.0 - i / 20, now - i / 20) for i in range(DRAIN_SAMPLE)]
+    assert drain_rate(fast, now, busy_since_s=900.0) == pytest.approx(20.0, rel=0.05)
+    # a stall: the queue holds entries and nothing left it lately
+    assert drain_rate(waited(990.5, 991.0, 991.5, 992.0), now, busy_since_s=990.5) == pytest.approx(3 / 9.5)
+    # replicas' clocks apart: a release "before" its queued time waited no time, and breaks nothing
+    assert drain_rate(waited(995.0, 994.9, 996.0, 997.0), now, busy_since_s=None) == pytest.approx(3 / 2.0)
 
 
 @pytest.mark.parametrize("rate", [0.5, 2.0, 13.0, 80.0])
@@ -35,10 +62,33 @@ def test_a_queue_that_just_began_to_drain_is_quoted_its_real_rate_not_a_fraction
     """A fast fleet's queue drains several entries within its first second: the rate quoted from its first few
     releases is the rate it runs at, wherever in the wall-clock second the drain began (whole seconds quoted ~4/s
     for 13/s here: deadlines refused and Retry-After told three times too long on a fast CPU)."""
-    releases = [begun_at + i / rate for i in range(MIN_RELEASES)]  # the first moment a rate can be told
+    formed = begun_at - 1 / rate  # the first room opened a release's time after the queue formed
+    releases = waited(formed, *(begun_at + i / rate for i in range(MIN_RELEASES)))
     for since_last in (0.0, 0.5 / rate, 0.99 / rate):
-        quoted = drain_rate(releases, releases[-1] + since_last)
+        quoted = drain_rate(releases, releases[-1][1] + since_last, busy_since_s=formed)
         assert quoted == pytest.approx(rate, rel=0.4), (quoted, since_last)
+
+
+@pytest.mark.parametrize("where", ["redis", "in-process"])
+def test_a_queue_that_formed_again_is_quoted_the_rate_it_drains_at_now(redis_server, where: str) -> None:
+    """The queue's busy period is kept where its entries are (Redis, or this process): releases from an earlier
+    one, and the idle time since, leave the rate a request is told."""
+    async def scenario() -> None:
+        q = replica(redis_server.url if where == "redis" else None, "gw", fleet=f"busy-{where}")
+        async with running(q):
+            early = [await q.enqueue(S, 60_000, "t", 1.0) for _ in range(3)]
+            await release_all([q], early, every_s=0.05)  # a moment's queue, drained at once
+            early_busy = time.time() - early[0].arrival_ms / 1000.0
+            await asyncio.sleep(1.5)  # then no queue: requests would go straight to engines
+            formed = time.time()
+            again = [await q.enqueue(S, 60_000, "t", 1.0) for _ in range(5)]
+            await release_all([q], again[:4], every_s=0.1)
+            await q.refresh_counts()
+            rate, busy_for = q.drain_rate_per_s(), time.time() - formed
+            # seven releases over the ~0.55 s the queue held entries (over the ~2 s since the first: 3/s)
+            assert rate == pytest.approx(7 / (early_busy + busy_for), rel=0.25), (rate, early_busy, busy_for)
+            assert rate > 2 * 6 / (time.time() - early[0].arrival_ms / 1000.0)
+    asyncio.run(scenario())
 
 
 def test_a_request_may_wait_behind_what_drains_by_its_deadline_and_is_told_when_to_come_back() -> None:
@@ -125,21 +175,29 @@ def test_an_expired_entry_still_ends_its_wait(redis_server) -> None:
     asyncio.run(scenario())
 
 
-def test_the_redis_queue_keeps_each_releases_time_to_the_millisecond_fleet_wide(redis_server) -> None:
-    """Two replicas release in turn at known times (a drain of 5 per second begun late in a wall-clock second):
-    the rate either replica reads is that drain's, and releases older than the window no longer count."""
+def test_the_redis_queue_keeps_each_releases_times_to_the_millisecond_fleet_wide(redis_server) -> None:
+    """Two replicas queue and release in turn at known times (a drain of 5 per second begun late in a wall-clock
+    second): either replica reads each entry's queued and released times as they were, the queue's busy period
+    while it holds entries, and releases older than the window no longer count."""
     async def scenario() -> None:
         a, b = (replica(redis_server.url, name, fleet="drain-times") for name in ("a", "b"))
         async with running(a, b):
-            for q in (a, b, a, b):
-                await q.enqueue(S, 60_000, "t", 1.0)
+            entries = [await q.enqueue(S, 60_000, "t", 1.0) for q in (a, b, a, b)]
+            queued = sorted(e.arrival_ms / 1000.0 for e in entries)
+            await a.refresh_counts()
+            _, busy_since = await a.redis.drained(time.time() * 1000.0)
+            assert busy_since == pytest.approx(queued[0], abs=0.001)  # the first one began it
             begun_ms = (int(time.time()) + 0.9) * 1000.0
             for i, q in enumerate((a, b, a, b)):
                 assert len(await q.redis.release(1, begun_ms + i * 200.0, window_ms=1)) == 1
                 await asyncio.sleep(0.005)  # past the release window (real time)
             for q in (a, b):
-                times = await q.redis.drained(begun_ms + 700.0)
-                assert drain_rate(times, (begun_ms + 700.0) / 1000) == pytest.approx(3 / 0.7)
+                releases, busy_since = await q.redis.drained(begun_ms + 700.0)
+                assert busy_since is None  # all four released: the queue is empty
+                assert sorted(r for _, r in releases) == [(begun_ms + i * 200.0) / 1000.0 for i in range(4)]
+                assert sorted(w for w, _ in releases) == pytest.approx(queued, abs=0.001)
+                assert drain_rate(releases, (begun_ms + 700.0) / 1000) == pytest.approx(
+                    4 / ((begun_ms + 600.0) / 1000 - queued[0]))
             later_ms = begun_ms + 10_000.0 + 300.0  # the first two have left the window
-            assert len(await a.redis.drained(later_ms)) == 2
+            assert len((await a.redis.drained(later_ms))[0]) == 2
     asyncio.run(scenario())
