@@ -9,9 +9,10 @@ through the peer routers (smg, sglang-router, vllm-router; bench/peers.py), all 
 One engine of the tiny random Llama (--max-num-seqs 8, one torch thread) and, in front of it, kvfleet gateways
 sharing a Redis: `gateway`, the Python proxy (--data-plane python) with default settings; `gateway-no-limit`, the
 same never counting the engine as saturated (--saturation-queue 1000000), so that nothing waits in its fleet queue
-and what it adds is the proxying alone; `gateway-envoy`, Envoy (the default data plane) with the gateway's endpoint
-picker deciding, never saturated either; and each peer
-router installed, with round-robin. Latency: rounds of `--batch` requests per arm at a fixed concurrency, the
+and what it adds is the proxying alone; `gateway-no-migration`, that with migration off (--migration-limit 0: what
+migration costs when nothing fails is gateway-no-limit against it); `gateway-envoy`, Envoy (the default data
+plane) with the gateway's endpoint picker deciding, never saturated either; and each peer router installed, with
+round-robin. Latency: rounds of `--batch` requests per arm at a fixed concurrency, the
 arms' order rotated and reversed round by round so drift hits all alike; requests cycle through max_tokens 1-4,
 streamed and not, EOS ignored, 16-word prompts. Reports end-to-end p50/p99 per arm, each arm − direct, and how
 many requests waited in a kvfleet gateway's queue. Peak: a closed loop of max_tokens-1 requests at
@@ -54,11 +55,12 @@ from bench.overhead_targets import MAX_ADDED_P99_MS, targets
 from kvfleet.bench_report import percentile
 from kvfleet.loadgen import ENDPOINTS, LoadSpec, PlannedRequest, RequestRecord, make_prompts, send_one
 
-KVFLEET_ARMS = ("direct", "gateway", "gateway-no-limit", "gateway-envoy")
+KVFLEET_ARMS = ("direct", "gateway", "gateway-no-limit", "gateway-no-migration", "gateway-envoy")
 ARMS = (*KVFLEET_ARMS, *peers.PEERS)
 NO_LIMIT = ["--saturation-queue", "1000000"]  # the engine never counts as saturated: nothing waits in the queue
 PYTHON = ["--data-plane", "python"]  # Envoy is the default data plane: the Python proxy's arms name theirs
 GATEWAY_FLAGS = {"gateway": PYTHON, "gateway-no-limit": [*NO_LIMIT, *PYTHON],
+                 "gateway-no-migration": [*NO_LIMIT, *PYTHON, "--migration-limit", "0"],
                  "gateway-envoy": [*NO_LIMIT, "--data-plane", "envoy"]}
 
 

@@ -11,7 +11,8 @@ from bench.overhead_targets import format_targets
 from bench.plotting import finish, pyplot
 from kvfleet.bench_report import percentile
 
-COLORS = {"direct": "tab:gray", "gateway": "tab:green", "gateway-no-limit": "tab:blue", "gateway-envoy": "tab:orange",
+COLORS = {"direct": "tab:gray", "gateway": "tab:green", "gateway-no-limit": "tab:blue",
+          "gateway-no-migration": "tab:cyan", "gateway-envoy": "tab:orange",
           "smg": "tab:red", "sglang-router": "tab:purple", "vllm-router": "tab:brown"}
 
 

@@ -195,6 +195,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "the whole answer otherwise); then the engine counts as failed")
     c.add_argument("--upstream-idle-timeout", type=float, default=d0.upstream_idle_timeout_s, metavar="SECONDS",
                    help="longest gap between two chunks of an engine's answer; then it counts as failed")
+    c.add_argument("--migration-limit", type=int, default=d0.migration_limit, metavar="N",
+                   help="a stream its engine drops (the connection, no [DONE], finish_reason abort) is continued on "
+                        "another engine from the exact token, at most N times (0: off); the Python data plane")
     c.add_argument("--engine-unreachable-after", type=float,
                    default=d0.engine_unreachable_after_s, metavar="SECONDS",
                    help="an engine whose /metrics times out this long in a row is unhealthy, and the requests "
@@ -231,6 +234,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         envoy_endpoints_file=args.envoy_endpoints_file,
         upstream_first_byte_timeout_s=args.upstream_first_byte_timeout,
         upstream_idle_timeout_s=args.upstream_idle_timeout, engine_unreachable_after_s=args.engine_unreachable_after,
+        migration_limit=args.migration_limit,
         http_limits=HttpLimits(args.max_header_count, args.max_header_bytes, args.header_timeout, args.body_timeout,
                                args.max_connections),
         batch=BatchSettings(args.batch_dir or args.batch_store, args.batch_max_file_bytes, args.batch_max_lines,

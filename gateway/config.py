@@ -11,6 +11,7 @@ from kvfleet.fleet.http_limits import HttpLimits
 from kvfleet.fleet.pods import ENGINE_PORT_NAME
 from kvfleet.fleet.priority import PRIORITY_NAMES, Priority
 from kvfleet.gateway.batch.settings import BatchSettings
+from kvfleet.gateway.migration import DEFAULT_MIGRATION_LIMIT
 from kvfleet.gateway.models.routes import ModelRoute
 from kvfleet.gateway.queue.fair_order import QUEUE_POLICIES
 from kvfleet.gateway.routing.pick import SaturationPolicy, ScoreWeights
@@ -61,6 +62,8 @@ class GatewayConfig:
     upstream_first_byte_timeout_s: float = 300.0
     upstream_idle_timeout_s: float = 60.0  # the longest gap between two chunks of an engine's answer
     engine_unreachable_after_s: float = 10.0  # /metrics timing out this long: unhealthy, and waits on it end
+    # an answer its engine drops is continued on another engine, at most this many times (migration.py; 0: off)
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
     engine_api_key: str | None = field(default=None, repr=False)  # sent upstream as `Authorization: Bearer <key>`
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     enable_docs: bool = False  # /docs, /redoc and /openapi.json
@@ -135,6 +138,8 @@ class GatewayConfig:
                 raise ValueError(f"--degrade-max-tokens: the {p.value} cap must be a count of tokens >= 1, not {cap}")
         if self.eject_after_failures < 1 or self.eject_seconds < 0:
             raise ValueError("--eject-after-failures must be >= 1 and --eject-seconds >= 0")
+        if not 0 <= self.migration_limit <= 100:
+            raise ValueError(f"--migration-limit must be from 0 (off) to 100, not {self.migration_limit}")
         if self.upstream_first_byte_timeout_s <= 0 or self.upstream_idle_timeout_s <= 0:
             raise ValueError("--upstream-first-byte-timeout and --upstream-idle-timeout must be positive (seconds)")
         if self.engine_unreachable_after_s < 1:

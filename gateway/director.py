@@ -30,6 +30,7 @@ from kvfleet.gateway.degradation import cap_output, header_value, output_cap, st
 from kvfleet.gateway.limits.access import Tenant, TenantCharge, admit_key, authenticate, request_tenant
 from kvfleet.gateway.limits.class_grant import class_ceiling, class_refusal
 from kvfleet.gateway.limits.usage import Settlement, Usage, ask_stream_usage
+from kvfleet.gateway.migration import continuable_body
 from kvfleet.gateway.prefix.worth import PromptKeys
 from kvfleet.gateway.queue.fleet import Outcome
 from kvfleet.gateway.queue.wait import retry_after_s
@@ -134,6 +135,8 @@ class Admission:
     queued: bool
     share: TenantCharge | None
     has_capacity: bool
+    continuable: bool = False  # a stream the engine sends its token ids in: migration.py can continue it elsewhere
+    hide_token_ids: bool = False  # the gateway asked for them, the client did not: they are taken out of its answer
 
     @property
     def priority(self) -> Priority:
@@ -174,11 +177,12 @@ class Admission:
             self.settlement.refund()
 
 
-async def admit(ticket: Ticket, target: Target, stream_usage: bool = True) -> Admission:
+async def admit(ticket: Ticket, target: Target, stream_usage: bool = True, continuable: bool = False) -> Admission:
     """Everything a request's fleet decides before it goes to an engine: the strict schema (done by the target),
     rpm/tpm, the trust rule on priority, its tenant's caps, and the admission verdict (go now, wait in the queue, or
     a refusal: APIError). `stream_usage` False: nothing will read a stream's usage chunk (an Envoy without
-    kvfleet's Lua filter), so the engine is not asked for it."""
+    kvfleet's Lua filter), so the engine is not asked for it. `continuable`: the front can continue a stream its
+    engine drops (migration.py), so a stream of one choice asks its engine for the token ids that takes."""
     gateway, body, priority, tenant = target.gateway, target.body, ticket.priority, ticket.tenant
     config = gateway.config
     gateway.tenant_metrics.arrived(tenant.name)
@@ -207,6 +211,10 @@ async def admit(ticket: Ticket, target: Target, stream_usage: bool = True) -> Ad
         body["priority"] = engine_priority  # the engine admits and preempts by it too
     if stream_usage and ask_stream_usage(body):
         settlement.hide_stream_usage = changed = True  # the count comes from the usage chunk, hidden again
+    continuable = continuable and continuable_body(body)
+    hide_token_ids = continuable and body.get("return_token_ids") is not True
+    if hide_token_ids:
+        body["return_token_ids"] = changed = True
     changed = changed or target.renamed
     degraded = target.degraded
     try:
@@ -230,7 +238,7 @@ async def admit(ticket: Ticket, target: Target, stream_usage: bool = True) -> Ad
         raise
     raw = json.dumps(body).encode() if changed else target.raw
     return Admission(gateway, ticket, raw, changed, hashes, settlement, degraded, verdict.action is Action.QUEUE,
-                     share, has_capacity)
+                     share, has_capacity, continuable, hide_token_ids)
 
 
 async def _wait_in_queue(admission: Admission) -> None:

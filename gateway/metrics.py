@@ -39,6 +39,9 @@ class GatewayMetrics:
         self.upstream_latency = Histogram("kvfleet_gateway_upstream_latency_seconds",
                                           "Time from sending to an engine to its response headers",
                                           ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.migrations = Counter("kvfleet_gateway_migrations", "Answers an engine ended without the model's end, by "
+                                  "cause (aborted, broken, timeout, error) and outcome (continued on another engine, "
+                                  "resent whole, failed)", ["cause", "outcome"], registry=r)
         self.retries = Counter("kvfleet_gateway_retries", "Requests retried on another engine", ["reason"],
                                registry=r)
         self.ejections = Counter("kvfleet_gateway_ejections", "Engines ejected after repeated failures",

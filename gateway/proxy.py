@@ -24,7 +24,8 @@ from kvfleet.fleet.headers import ENGINE as ENGINE_HEADER
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.engines.failure_class import AnswerClass, classify
-from kvfleet.gateway.limits.usage import Settlement, StreamUsageMeter, answer_usage
+from kvfleet.gateway.limits.usage import StreamUsageMeter, answer_usage
+from kvfleet.gateway.migration import ABORTED, Events, Relayed
 from kvfleet.gateway.routing.router import Dispatch, Router
 
 if TYPE_CHECKING:
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 FORWARDED_HEADERS = frozenset(("content-type", "accept", "traceparent", "tracestate"))
 RETURNED_HEADERS = ("content-type", RETRY_AFTER, REQUEST_ID)
 DONE_EVENT = b"data: [DONE]"
+CONTINUATION_PATH = "/v1/completions"  # a continuation is a completion of the answer's token ids
+# why an engine's answer is not the model's whole answer (the cause label of kvfleet_gateway_migrations_total)
+ENDED = {"timeout": "stopped sending", "error": "broke off", "broken": "ended the stream without [DONE]",
+         "aborted": "aborted the answer"}
 
 
 @dataclass
@@ -103,7 +108,23 @@ class Forwarder:
                 last_error = f"engine {pick.url} answered {status}"
                 self.metrics.retries.labels(f"status_{status}" if attempt == 0 else "gave_up").inc()
                 continue
-            return await self._relay(upstream, admission.settlement, ok=True if verdict is AnswerClass.OK else None)
+            ok = True if verdict is AnswerClass.OK else None
+            if _is_stream(upstream.response):
+                return self._relay_stream(upstream, admission, tried, headers, request_id, ok)
+            content, cause = await self._read_answer(upstream)
+            if cause is not None and self.config.migration_limit == 0:  # migration off: as the engine ended it
+                if cause != "aborted":
+                    raise APIError(502, f"engine {pick.url} {ENDED[cause]} while answering; retry", "server_error",
+                                   code="upstream_error")
+                cause = None
+            if cause is not None:  # not yet sent to the client: sent again whole, elsewhere
+                last_error = f"engine {pick.url} {ENDED[cause]} before the answer was whole"
+                self.metrics.migrations.labels(cause, "resent" if attempt == 0 else "failed").inc()
+                continue
+            self._done(pick.url, ok=ok)
+            if admission.settlement is not None:
+                admission.settlement(answer_usage(upstream.response.status_code, content, time.monotonic()))
+            return _passthrough(upstream.response, content, pick.url)
         if last_busy is not None:
             return _passthrough(last_busy[1], last_busy[2], last_busy[0])
         raise admission.no_engine(last_error, 502 if tried else 503)
@@ -156,26 +177,38 @@ class Forwarder:
         finally:
             await response.aclose()
 
-    async def _relay(self, upstream: Upstream, on_tokens: Settlement | None,
-                     ok: bool | None = True) -> Response:
+    async def _read_answer(self, upstream: Upstream) -> tuple[bytes, str | None]:
+        """A non-streamed answer's body, and why it is not the model's whole answer (None: it is): its engine broke
+        off while sending it, stopped sending, or aborted it (vLLM answers 200 with finish_reason `abort` when its
+        pod stops under it)."""
         response = upstream.response
-        if not response.headers.get("content-type", "").startswith("text/event-stream"):
-            try:
-                async with self._bounded(upstream.url, self.config.upstream_idle_timeout_s):
-                    content = await response.aread()
-            except (httpx.HTTPError, TimeoutError) as err:
-                self._done(upstream.url, ok=False)
-                what = "stopped sending" if isinstance(err, TimeoutError) else f"failed ({type(err).__name__})"
-                raise APIError(502, f"engine {upstream.url} {what} while answering; retry", "server_error",
-                               code="upstream_error") from err
-            finally:
-                await response.aclose()
-            self._done(upstream.url, ok=ok)
-            if on_tokens is not None:
-                on_tokens(answer_usage(response.status_code, content, time.monotonic()))
-            return _passthrough(response, content, upstream.url)
+        try:
+            async with self._bounded(upstream.url, self.config.upstream_idle_timeout_s):
+                content = await response.aread()
+        except TimeoutError:
+            self._done(upstream.url, ok=False)
+            return b"", "timeout"
+        except httpx.HTTPError:
+            self._done(upstream.url, ok=False)
+            return b"", "error"
+        finally:
+            await response.aclose()
+        if response.status_code == 200 and ABORTED.search(content):
+            self._done(upstream.url, ok=False)
+            return content, "aborted"
+        return content, None
+
+    def _relay_stream(self, upstream: Upstream, admission: Admission, tried: set[str],
+                      headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str,
+                      ok: bool | None) -> Response:
+        """The engine's stream, relayed as it comes; where its engine ends it early, continued on another engine
+        (migration.py) when the engine was asked for its token ids."""
+        on_tokens = admission.settlement
         # Counts the answer's tokens from the engine's usage chunk, hidden again if only the gateway asked for it.
         meter = StreamUsageMeter(on_tokens.hide_stream_usage) if on_tokens is not None else None
+        relayed = (Relayed(admission.body, admission.hide_token_ids, self.config.migration_limit)
+                   if admission.continuable and self.config.migration_limit > 0 else None)
+        current = [upstream]
         ended = False
 
         async def end(ok: bool | None) -> None:
@@ -184,49 +217,114 @@ class Forwarder:
             if ended:
                 return
             ended = True
-            await upstream.response.aclose()
-            self._done(upstream.url, ok)
+            await current[0].response.aclose()
+            self._done(current[0].url, ok)
             if on_tokens is not None:
                 on_tokens(meter.usage)
-        return RelayedStream(self._stream(upstream, meter, end), lambda: end(None), status_code=response.status_code,
-                             headers=_returned(response, upstream.url), media_type="text/event-stream")
+        response = upstream.response
+        engines = _Engines(self, admission, tried, headers, request_id)
+        return RelayedStream(self._stream(current, meter, end, relayed, engines), lambda: end(None),
+                             status_code=response.status_code, headers=_returned(response, upstream.url),
+                             media_type="text/event-stream")
 
-    async def _stream(self, upstream: Upstream, meter: StreamUsageMeter | None,
-                      end: Callable[[bool | None], Awaitable[None]]) -> AsyncIterator[bytes]:
-        ok, tail = True, b""
-        idle_s = self.config.upstream_idle_timeout_s
-        chunks = upstream.response.aiter_raw()
+    async def _stream(self, current: list[Upstream], meter: StreamUsageMeter | None,
+                      end: Callable[[bool | None], Awaitable[None]], relayed: Relayed | None,
+                      engines: _Engines) -> AsyncIterator[bytes]:
+        ok, idle_s = True, self.config.upstream_idle_timeout_s
         try:
             while True:
+                upstream, tail, cause = current[0], b"", None
+                events = Events()
+                chunks = upstream.response.aiter_raw()
                 try:
-                    async with self._bounded(upstream.url, idle_s):
-                        chunk = await anext(chunks)
-                except StopAsyncIteration:
-                    break
-                tail = (tail + chunk)[-64:]
-                if meter is not None:
-                    chunk = meter.feed(chunk)
-                if chunk:
-                    yield chunk
-            if meter is not None and (rest := meter.finish()):
-                yield rest
-            if DONE_EVENT not in tail:  # never a bare end that reads like success: say the output is incomplete
-                ok = False
-                log.warning("engine %s ended a stream without [DONE]", upstream.url)
-                yield sse_error_event("the engine ended this stream before it completed; the output above is "
-                                      "incomplete", "stream_truncated")
-        except TimeoutError:
-            ok = False
-            log.warning("engine %s stopped sending mid-stream", upstream.url)
-            yield sse_error_event(f"the engine serving this request sent nothing for {idle_s:g} s, or stopped "
-                                  "answering its /metrics; the output above is incomplete", "upstream_timeout")
-        except httpx.HTTPError as err:
-            ok = False
-            log.warning("engine %s failed mid-stream: %s", upstream.url, type(err).__name__)
-            yield sse_error_event(f"the engine serving this request failed mid-stream ({type(err).__name__}); "
-                                  "the output above is incomplete")
+                    while True:
+                        try:
+                            async with self._bounded(upstream.url, idle_s):
+                                chunk = await anext(chunks)
+                        except StopAsyncIteration:
+                            break
+                        tail = (tail + chunk)[-64:]
+                        if relayed is not None:  # event by event: what the client gets, what is kept to continue
+                            chunk = b"".join(e for e in map(relayed.take, events.feed(chunk)) if e)
+                        if meter is not None:
+                            chunk = meter.feed(chunk)
+                        if chunk:
+                            yield chunk
+                    if relayed is not None:
+                        if (rest := events.finish()) and (passed := relayed.take(rest)):  # no blank line at its end
+                            yield meter.feed(passed) if meter is not None else passed
+                        cause = None if relayed.whole() else "aborted" if relayed.aborted else "broken"
+                    elif DONE_EVENT not in tail:
+                        cause = "broken"
+                except TimeoutError:
+                    cause = "timeout"
+                except httpx.HTTPError as err:
+                    cause = "error"
+                    log.warning("engine %s failed mid-stream: %s", upstream.url, type(err).__name__)
+                if cause is None:
+                    if relayed is not None:
+                        yield DONE_EVENT + b"\n\n"
+                    if meter is not None and (rest := meter.finish()):
+                        yield rest
+                    return
+                log.warning("engine %s ended a stream early (%s)", upstream.url, cause)
+                follow = relayed.next_request() if relayed is not None else None
+                nxt = await engines.send(follow) if follow is not None else None
+                if nxt is None:
+                    ok = False
+                    if relayed is not None:
+                        self.metrics.migrations.labels(cause, "failed").inc()
+                    if meter is not None and (rest := meter.finish()):
+                        yield rest
+                    yield _incomplete(cause, idle_s)
+                    return
+                self.metrics.migrations.labels(cause, "continued").inc()
+                await upstream.response.aclose()
+                self._done(upstream.url, ok=False)
+                current[0] = nxt
         finally:
             await end(ok)
+
+
+class _Engines:
+    """Where a stream goes on when its engine drops it: the next engine the router picks among those not tried."""
+
+    def __init__(self, forwarder: Forwarder, admission: Admission, tried: set[str],
+                 headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str) -> None:
+        self.forwarder, self.admission, self.tried = forwarder, admission, tried
+        self.headers, self.request_id = headers, request_id
+
+    async def send(self, body: dict) -> Upstream | None:
+        """The continuation's stream from an engine not tried yet (one try), or None."""
+        f = self.forwarder
+        pick = f.router.dispatch(self.admission.hashes, frozenset(self.tried),
+                                 self.admission.priority is Priority.CRITICAL)
+        if pick is None:
+            return None
+        self.tried.add(pick.url)
+        upstream = await f._send(pick, CONTINUATION_PATH, json.dumps(body).encode(), self.headers, self.request_id)
+        if isinstance(upstream, str) or upstream.response.status_code != 200 or not _is_stream(upstream.response):
+            if not isinstance(upstream, str):
+                await upstream.response.aclose()
+                f._done(pick.url, ok=None)
+            return None
+        return upstream
+
+
+def _is_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+def _incomplete(cause: str, idle_s: float) -> bytes:
+    """The error event that ends a stream whose answer could not be made whole: never a bare end that reads like
+    success."""
+    if cause == "timeout":
+        return sse_error_event(f"the engine serving this request sent nothing for {idle_s:g} s, or stopped "
+                               "answering its /metrics; the output above is incomplete", "upstream_timeout")
+    if cause == "error":
+        return sse_error_event("the engine serving this request failed mid-stream; the output above is incomplete")
+    return sse_error_event("the engine ended this stream before it completed; the output above is incomplete",
+                           "stream_truncated")
 
 
 class RelayedStream(StreamingResponse):

@@ -26,7 +26,7 @@ async def handle_request(front, request: Request, path: str) -> Response:
         ticket = front.check_headers(request.headers, priority)
         target = front.target(ticket, path, await request.body())
         counted_by = target.gateway
-        admission = await admit(ticket, target)
+        admission = await admit(ticket, target, continuable=target.gateway.config.migration_limit > 0)
         await unless_client_leaves(request.receive, admission.wait())
         response = await send_admitted(admission, request, path, request_id)
     except APIError as err:

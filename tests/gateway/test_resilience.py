@@ -176,9 +176,13 @@ def engine_metric(engine_url: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-def test_an_engine_that_stops_answering_is_timed_out_ejected_and_clients_are_answered(keyed_engine: str) -> None:
+@pytest.mark.parametrize("migration", ["on", "off"])
+def test_an_engine_that_stops_answering_is_timed_out_ejected_and_clients_are_answered(keyed_engine: str,
+                                                                                      migration: str) -> None:
     """The Python proxy's own first-byte and idle timers (Envoy has one idle timer per stream, the largest of them:
-    gateway/envoy_config.stream_silence_s; behind Envoy a blackhole is found by its silent /metrics, next test)."""
+    gateway/envoy_config.stream_silence_s; behind Envoy a blackhole is found by its silent /metrics, next test).
+    The stream cut by the blackhole goes on on the other engine (migration, on by default); with migration off
+    (--migration-limit 0) it ends in an error event that says the output is incomplete."""
     proxy = BlackholeProxy(keyed_engine)
     # Round-robin sends every other request through the proxy; metrics allowed to age long keep the blackholed
     # engine looking routable, so only the request timeouts can find it out.
@@ -186,7 +190,7 @@ def test_an_engine_that_stops_answering_is_timed_out_ejected_and_clients_are_ans
                                  "--engine-api-key", ENGINE_KEY, "--upstream-first-byte-timeout", "2",
                                  "--upstream-idle-timeout", "1", "--eject-after-failures", "2",
                                  "--scrape-interval-ms", "10000", "--max-metrics-age-ms", "60000",
-                                 "--data-plane", "python")
+                                 "--data-plane", "python", *(["--migration-limit", "0"] if migration == "off" else []))
     body = {"model": "m", "prompt": "tell a long story", "max_tokens": 60, "stream": True, "ignore_eos": True}
     try:
         wait_until_routable(url, 2)
@@ -204,8 +208,14 @@ def test_an_engine_that_stops_answering_is_timed_out_ejected_and_clients_are_ans
             if through_proxy:
                 break
         assert through_proxy and time.monotonic() - cut_at < 5  # not a hang: the idle gap is 1 s
-        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "upstream_timeout"
         assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2].removeprefix("data: "))
+        if migration == "off":
+            assert last["error"]["code"] == "upstream_timeout"
+        else:  # finished on the other engine: every token asked for, one answer
+            chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+            assert all("error" not in c for c in chunks) and last["choices"][0]["finish_reason"] == "length"
+            assert len({c["id"] for c in chunks}) == 1 and "token_ids" not in str(chunks)
         for i in range(4):
             started = time.monotonic()
             r = httpx.post(f"{url}/v1/completions", json={"model": body["model"], "prompt": f"q{i}",
@@ -214,6 +224,8 @@ def test_an_engine_that_stops_answering_is_timed_out_ejected_and_clients_are_ans
             assert time.monotonic() - started < 6
         metrics = httpx.get(f"{url}/metrics").text
         assert f'kvfleet_gateway_ejections_total{{endpoint="{proxy.url}"}} 1.0' in metrics
+        continued = 'kvfleet_gateway_migrations_total{cause="timeout",outcome="continued"} 1.0' in metrics
+        assert continued == (migration == "on")
     finally:
         stop_process(gateway)
         proxy.close()

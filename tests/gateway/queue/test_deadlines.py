@@ -12,7 +12,14 @@ import pytest
 
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.queue.order import Refusal
-from kvfleet.gateway.queue.wait import DRAIN_SAMPLE, MIN_RELEASES, drain_rate, max_ahead, predicted_wait_s, retry_after_s
+from kvfleet.gateway.queue.wait import (
+    DRAIN_SAMPLE,
+    MIN_RELEASES,
+    drain_rate,
+    max_ahead,
+    predicted_wait_s,
+    retry_after_s,
+)
 from tests.support.queues import release_all, replica, running
 
 S, X = Priority.STANDARD, Priority.SHEDDABLE
