@@ -1,5 +1,9 @@
 """One way to run the fleet's processes: start a child with its output in a log, wait until it is ready (or report
-its early exit with the log's last lines), and stop children in reverse start order, SIGKILL after a timeout."""
+its early exit with the log's last lines), and stop children in reverse start order, SIGKILL after a timeout.
+
+A child started in a session of its own owns its whole process tree, as a container owns its cgroup: once it has
+exited (stopped, or died and about to be started again), whatever it started and left behind (vLLM's EngineCore and
+workers, a resource tracker) is killed with it."""
 
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ class Child:
     group: str = ""  # children of one group stop together
     tail_lines: int = 20
     _log: IO[bytes] | None = field(default=None, repr=False)
+    owns_tree: bool = False  # started in a session of its own: its process group is its tree
 
     @property
     def pid(self) -> int:
@@ -73,6 +78,17 @@ class Child:
 
     def kill(self) -> None:
         self.proc.kill()
+
+    def end_tree(self) -> None:
+        """Once the child has exited: SIGKILL to what it left running in its process group (nothing to do for a
+        child that shares its parent's group). Called at once, while the group still exists: its id is the child's
+        pid, which the kernel does not give another process while any member of the group lives."""
+        if not self.owns_tree or self.poll() is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # no member left
+            pass
 
     def output(self) -> str:
         """Everything the child has written so far."""
@@ -113,12 +129,12 @@ def spawn(name: str, argv: list[str], *, url: str = "", log_dir: Path | None = N
         log: IO[bytes] = tempfile.TemporaryFile()  # a file, not a pipe: a pipe nobody reads fills and blocks
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=new_session)
-        return Child(name, proc, url, None, group or name, tail_lines, log)
+        return Child(name, proc, url, None, group or name, tail_lines, log, owns_tree=new_session)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=new_session)
-    return Child(name, proc, url, log_path, group or name, tail_lines)
+    return Child(name, proc, url, log_path, group or name, tail_lines, owns_tree=new_session)
 
 
 def previous_log(log_path: Path) -> Path:
@@ -140,17 +156,21 @@ def wait_until(check: Callable[[], bool], watched: Iterable[Child], timeout_s: f
 
 
 def stop_together(children: Iterable[Child], timeout_s: float = 30.0) -> None:
-    """SIGTERM to every child still running, then a shared `timeout_s` to exit before SIGKILL."""
-    children = [c for c in children if c.poll() is None]
-    for child in children:
+    """SIGTERM to every child still running, then a shared `timeout_s` to exit before SIGKILL; then what each left
+    running in its process tree goes too."""
+    children = list(children)
+    running = [c for c in children if c.poll() is None]
+    for child in running:
         child.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    for child in children:
+    for child in running:
         try:
             child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+    for child in children:
+        child.end_tree()
 
 
 class Supervisor:
@@ -171,6 +191,7 @@ class Supervisor:
     def replace(self, old: Child, argv: list[str], *, env: dict[str, str] | None = None) -> Child:
         """`old` (exited) started again as a new child of its name, URL and group, in its place in the stop order;
         old's log is kept beside the new one as <name>.previous.log (as `kubectl logs --previous` keeps it)."""
+        old.end_tree()  # what the old process left running (a vLLM engine core holding its memory) goes first
         if old.log_path is not None and old.log_path.exists():
             old.log_path.replace(previous_log(old.log_path))
         new = spawn(old.name, argv, url=old.url, log_dir=self.log_dir, env=env if env is not None else self.env,
@@ -188,7 +209,9 @@ class Supervisor:
             raise NotReady(f"no {what} after {timeout_s:.0f} s{where}")
 
     def prune(self) -> None:
-        """Forgets the children that have exited (polling them reaps them)."""
+        """Forgets the children that have exited (polling them reaps them), and ends what they left running."""
+        for child in self.children:
+            child.end_tree()  # a no-op for a child still running
         self.children = [c for c in self.children if c.poll() is None]
 
     def stop(self, timeout_s: float = 30.0) -> None:

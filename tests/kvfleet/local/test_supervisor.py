@@ -12,6 +12,7 @@ import pytest
 
 from kvfleet.local.supervisor import ChildExited, NotReady, Supervisor, spawn
 from tests.conftest import free_port
+from tests.support.polling import until
 
 # On SIGTERM: note it, take `linger` seconds (as an engine draining), note the exit, exit 0.
 STOPPABLE = """
@@ -108,3 +109,47 @@ def test_children_stop_newest_group_first_and_a_group_together(tmp_path: Path) -
     assert sorted(lines[4:6]) == ["engine-0 exits", "engine-1 exits"]
     assert lines[6:] == ["redis got SIGTERM", "redis exits"]
     assert all(child.returncode == 0 for child in started) and procs.children == []
+
+
+# A process that starts a helper of its own (as vLLM's API server starts its EngineCore) and writes the helper's pid.
+WITH_HELPER = """
+import subprocess, sys, time
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+with open(sys.argv[1], "w") as f:
+    f.write(str(helper.pid))
+print("running", flush=True)
+time.sleep(300)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("end", ["restarted", "stopped", "pruned"])
+def test_a_child_that_dies_leaves_nothing_of_its_tree_running(tmp_path: Path, end: str) -> None:
+    """SIGKILL takes only the process it is sent to: what it started lives on, orphaned, holding its memory (a vLLM
+    engine's EngineCore kept 2.7 GB). As a kubelet kills a container's cgroup, the supervisor kills the child's
+    process group before starting it again, when it forgets it, and when it stops."""
+    procs = Supervisor(tmp_path)
+    helper_pid = tmp_path / "helper.pid"
+    child = procs.start("engine-0", python(WITH_HELPER, str(helper_pid)))
+    child.wait_ready(lambda: "running" in child.output() and helper_pid.exists(), timeout_s=60)
+    helper = int(helper_pid.read_text())
+    child.kill()
+    child.wait()
+    assert alive(helper)  # orphaned, still running
+    try:
+        if end == "restarted":  # the local fleet's restart
+            procs.replace(child, python("import time; time.sleep(300)"))
+        elif end == "pruned":  # the local kubelet forgets a deleted Pod's process once it exited
+            procs.prune()
+        else:
+            procs.stop(timeout_s=5)
+        until(lambda: not alive(helper), f"the dead child's helper {helper} still runs", 5)
+    finally:
+        procs.stop(timeout_s=5)

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
@@ -234,14 +235,18 @@ def test_a_saturated_kvfleet_model_falls_back_to_a_vllm_model_and_comes_back(vll
 
 
 def test_a_vllm_engine_that_dies_is_the_engines_failure_and_comes_back_with_the_index_starting_over(vllm) -> None:
-    """Killed outright (its whole process group, as a container dies): requests go on to the other engine, the
-    gateway drops the dead engine's blocks within seconds (its cache died with it), `kvfleet up` starts it again, and
-    the gateway follows the new vLLM's events from nothing, predicting its hits exactly again. Runs last in this
-    module: the restart takes vLLM's start-up time."""
+    """Its API server killed outright: requests go on to the other engine, the gateway drops the dead engine's blocks
+    within seconds (its cache died with it), `kvfleet up` ends what the dead server left running (vLLM's EngineCore
+    and workers, gigabytes of memory, orphaned by a SIGKILL to their parent alone), starts it again, and the gateway
+    follows the new vLLM's events from nothing, predicting its hits exactly again. Runs last in this module: the
+    restart takes vLLM's start-up time."""
     engine = vllm.engines[0]
     ask(engine, system_prompt(), "First question?", auth=vllm.token)
     wait_for_blocks(vllm.url, engine, 3)
-    os.killpg(vllm.fleet.engines[0].pid, signal.SIGKILL)
+    server = vllm.fleet.engines[0].pid
+    tree = [pid for pid in group_members(server) if pid != server]
+    assert tree, "vLLM's API server started no engine core"
+    os.kill(server, signal.SIGKILL)
     c = client(vllm.url)
     for n in range(4):  # the first may have been sent to the dead engine: the gateway retries it elsewhere
         raw = c.chat.completions.with_raw_response.create(
@@ -253,9 +258,31 @@ def test_a_vllm_engine_that_dies_is_the_engines_failure_and_comes_back_with_the_
     wait_until(lambda: httpx.get(f"{vllm.url}/ready", timeout=10).json()["healthy"] == 2, START_TIMEOUT_S,
                "the engine did not come back")
     assert vllm.fleet.launches["engine-0"].restarts == 1 and vllm.fleet.engines[0].url == engine
+    assert not [pid for pid in tree if alive(pid)], "the dead engine's EngineCore or workers still run"
     system = system_prompt()
     ask(engine, system, "First question?", auth=vllm.token)
     assert_second_question_hits_as_predicted(vllm, vllm.url, engine, system)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of a process group (a local engine's tree: it runs in a session of its own)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def one_stream_rate(url: str, token: dict) -> float:
