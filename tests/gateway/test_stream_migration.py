@@ -1,8 +1,8 @@
 """No request lost when an engine dies under it (issue 57), through the Python data plane, on real engines: a stream
-whose engine is SIGKILLed or SIGTERMed mid-answer goes on on the other engine from its exact token, and the client
-reads one answer (one id, every token once, [DONE]) with the text an undisturbed greedy run gives in float32; a
-non-streamed answer cut off mid-generation is sent again whole elsewhere. With --migration-limit 0 the client is told
-the output is incomplete, as before."""
+whose engine is SIGKILLed, SIGTERMed past its grace or frozen (SIGSTOP) mid-answer goes on on the other engine from
+its exact token, and the client reads one answer (one id, every token once, [DONE]) with the text an undisturbed
+greedy run gives in float32; a non-streamed answer cut off mid-generation is sent again whole elsewhere. With
+--migration-limit 0 the client is told the output is incomplete, as before."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ def fleet(tiny_model_dir) -> Iterator[tuple[dict[str, object], str, str]]:
     """Two float32 engines behind a Python-plane gateway (round-robin); yields (engine processes by URL, gateway
     URL, model). A test may kill an engine: each gets its own."""
     engines = dict((url, proc) for proc, url in start_engine_servers(tiny_model_dir, FLOAT32, FLOAT32))
+    # an engine that sends nothing for 3 s (frozen: SIGSTOP) has failed: a live one sends a token every few ms
     gateway, url = start_gateway(*(a for e in engines for a in ("--engine", e)), "--routing", "round-robin",
-                                 "--data-plane", "python")
+                                 "--data-plane", "python", "--upstream-idle-timeout", "3")
     try:
         wait_until_routable(url, 2)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
@@ -39,6 +40,8 @@ def fleet(tiny_model_dir) -> Iterator[tuple[dict[str, object], str, str]]:
     finally:
         stop_process(gateway)
         for proc in engines.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
             stop_process(proc)
 
 
@@ -90,7 +93,7 @@ def migrations(url: str) -> str:
                      if line.startswith("kvfleet_gateway_migrations_total{"))
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP], ids=["sigkill", "sigterm", "sigstop"])
 def test_a_stream_whose_engine_dies_is_finished_on_the_other_token_for_token(fleet, how: signal.Signals) -> None:
     engines, url, model = fleet
     body = {**CHAT, "model": model, "stream": True, "stream_options": {"include_usage": True}}
@@ -98,7 +101,8 @@ def test_a_stream_whose_engine_dies_is_finished_on_the_other_token_for_token(fle
     assert reference.done and len(reference.text) > 100
     cut = Stream(url, body)
     assert cut.started.wait(60), "the stream never started"
-    engines[cut.engine].send_signal(how)  # SIGTERM: its 1 s of grace runs out before the answer ends
+    engines[cut.engine].send_signal(how)  # SIGTERM: its 1 s of grace runs out before the answer ends; SIGSTOP:
+    # frozen, its connection open, silent past the idle gap
     cut.result()
     # one answer, whole, as the undisturbed one: every token once, the model's own end, its usage counted once
     assert cut.done and all("error" not in c for c in cut.chunks), cut.chunks[-3:]
