@@ -113,7 +113,9 @@ def test_a_stream_whose_engine_dies_is_finished_on_the_other_token_for_token(fle
     assert cut.chunks[-1]["usage"] == reference.chunks[-1]["usage"]
     assert reference.chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
     assert not any("token_ids" in c or "token_ids" in str(c.get("choices")) for c in cut.chunks)  # not asked for
-    assert 'outcome="continued"} 1.0' in migrations(url), migrations(url)
+    continued = [float(line.rsplit(" ", 1)[1]) for line in migrations(url).splitlines()
+                 if 'outcome="continued"' in line]
+    assert sum(continued) >= 1, migrations(url)  # (a live engine silent for 3 s on a loaded machine would add one)
 
 
 def test_a_non_streamed_answer_cut_off_is_sent_again_whole_elsewhere(fleet) -> None:
