@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -235,18 +237,42 @@ def test_a_saturated_kvfleet_model_falls_back_to_a_vllm_model_and_comes_back(vll
 
 
 def test_a_vllm_engine_that_dies_is_the_engines_failure_and_comes_back_with_the_index_starting_over(vllm) -> None:
-    """Its API server killed outright: requests go on to the other engine, the gateway drops the dead engine's blocks
-    within seconds (its cache died with it), `kvfleet up` ends what the dead server left running (vLLM's EngineCore
-    and workers, gigabytes of memory, orphaned by a SIGKILL to their parent alone), starts it again, and the gateway
-    follows the new vLLM's events from nothing, predicting its hits exactly again. Runs last in this module: the
-    restart takes vLLM's start-up time."""
+    """Its API server killed outright: a stream it served through the Python data plane is finished on the other
+    engine (vLLM's return_token_ids, continued from its exact token), requests go on to the other engine, the
+    gateway drops the dead engine's blocks within seconds (its cache died with it), `kvfleet up` ends what the dead
+    server left running (vLLM's EngineCore and workers, gigabytes of memory, orphaned by a SIGKILL to their parent
+    alone), starts it again, and the gateway follows the new vLLM's events from nothing, predicting its hits exactly
+    again. Runs last in this module: the restart takes vLLM's start-up time."""
     engine = vllm.engines[0]
     ask(engine, system_prompt(), "First question?", auth=vllm.token)
     wait_for_blocks(vllm.url, engine, 3)
     server = vllm.fleet.engines[0].pid
     tree = [pid for pid in group_members(server) if pid != server]
     assert tree, "vLLM's API server started no engine core"
-    os.kill(server, signal.SIGKILL)
+    # two streams through a Python-plane gateway, one on each engine, the killed one's continued on the other
+    python_plane, python_url = start_gateway(*(a for e in vllm.engines for a in ("--engine", e)), "--routing",
+                                             "round-robin", "--data-plane", "python", "--engine-api-key",
+                                             vllm.fleet.engine_api_key)
+    streams = [MigratingStream(python_url, k) for k in range(2)]
+    try:
+        for s in streams:
+            assert s.going.wait(120), "a stream never started"
+        assert sorted(s.engine for s in streams) == sorted(vllm.engines)
+        os.kill(server, signal.SIGKILL)
+        for s in streams:
+            s.thread.join(180)
+        for s in streams:  # whole: every token asked for, once, in one answer whose text is those tokens'
+            assert s.done and s.finish == ["length"] and len(s.ids) == MIGRATED_TOKENS, (s.engine, s.finish, len(s.ids))
+            assert s.usage["completion_tokens"] == MIGRATED_TOKENS and len(s.chunk_ids) == 1
+            detokenized = httpx.post(f"{vllm.engines[1]}/detokenize", headers=vllm.token, timeout=30,
+                                     json={"model": SERVED, "tokens": s.ids}).json()["prompt"]
+            # a stream's text skips special tokens (which ignore_eos lets the model write); /detokenize keeps them
+            assert s.text == SPECIAL_TOKEN.sub("", detokenized), (s.text, detokenized)
+        migrated = [m for m in httpx.get(f"{python_url}/metrics", timeout=10).text.splitlines()
+                    if m.startswith("kvfleet_gateway_migrations_total{") and 'outcome="continued"' in m]
+        assert sum(float(m.rsplit(" ", 1)[1]) for m in migrated) >= 1, migrated
+    finally:
+        stop_process(python_plane)
     c = client(vllm.url)
     for n in range(4):  # the first may have been sent to the dead engine: the gateway retries it elsewhere
         raw = c.chat.completions.with_raw_response.create(
@@ -262,6 +288,46 @@ def test_a_vllm_engine_that_dies_is_the_engines_failure_and_comes_back_with_the_
     system = system_prompt()
     ask(engine, system, "First question?", auth=vllm.token)
     assert_second_question_hits_as_predicted(vllm, vllm.url, engine, system)
+
+
+SPECIAL_TOKEN = re.compile(r"<\|[a-z_]+\|>")  # SmolLM2's <|im_start|>, <|im_end|>, <|endoftext|>
+MIGRATED_TOKENS = 200  # seconds of decoding on one core: time to kill the engine mid-answer
+
+
+class MigratingStream:
+    """A long streamed chat read in a thread, with its token ids (asked for): `going` is set once tokens flow."""
+
+    def __init__(self, url: str, k: int) -> None:
+        self.url, self.k = url, k
+        self.engine: str | None = None
+        self.ids: list[int] = []
+        self.text, self.finish, self.chunk_ids, self.usage, self.done = "", [], set(), {}, False
+        self.going = threading.Event()
+        self.thread = threading.Thread(target=self._read)
+        self.thread.start()
+
+    def _read(self) -> None:
+        body = {"model": SERVED, "messages": [{"role": "user", "content": f"Tell a long story, number {self.k}."}],
+                "max_tokens": MIGRATED_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
+                "return_token_ids": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=180) as r:
+            self.engine = r.headers.get(headers.ENGINE)
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    self.done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    self.chunk_ids.add(chunk["id"])
+                    self.usage = chunk.get("usage") or self.usage
+                    for choice in chunk["choices"]:
+                        self.ids += choice.get("token_ids") or []
+                        self.text += (choice.get("delta") or {}).get("content") or ""
+                        if choice.get("finish_reason"):
+                            self.finish.append(choice["finish_reason"])
+                    if len(self.ids) >= 5:
+                        self.going.set()
+        self.going.set()
 
 
 def group_members(pgid: int) -> list[int]:
