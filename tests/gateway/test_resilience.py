@@ -198,16 +198,20 @@ def test_an_engine_that_stops_answering_is_timed_out_ejected_and_clients_are_ans
         for _ in range(4):  # until a stream goes through the proxy; cut it there after its first events
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
                 through_proxy = r.headers["x-kvfleet-engine"] == proxy.url
-                events = []
+                events, after_cut = [], []
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         events.append(line)
+                        if proxy.holed.is_set():
+                            after_cut.append(time.monotonic())
                     if through_proxy and len(events) == 2 and not proxy.holed.is_set():
                         proxy.blackhole()
-                        cut_at = time.monotonic()
+                        after_cut.append(time.monotonic())
             if through_proxy:
                 break
-        assert through_proxy and time.monotonic() - cut_at < 5  # not a hang: the idle gap is 1 s
+        # not a hang: the idle gap is 1 s, then the error event or the continuation's first token (however long the
+        # rest of the answer takes on a loaded machine)
+        assert through_proxy and max(b - a for a, b in zip(after_cut, after_cut[1:], strict=False)) < 10
         assert events[-1] == "data: [DONE]"
         last = json.loads(events[-2].removeprefix("data: "))
         if migration == "off":
