@@ -21,8 +21,11 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"  # the Inference Extension
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 PICKER_CLUSTER, ENGINES_CLUSTER, APP_CLUSTER = "kvfleet_picker", "kvfleet_engines", "kvfleet_gateway_app"
 # Envoy waits this long for the picker's answer to one message; a request about to wait in the fleet queue
-# extends it to its own queue deadline (override_message_timeout), up to the longest a request may wait.
-PICKER_MESSAGE_TIMEOUT_S = 2.0
+# extends it to its own queue deadline (override_message_timeout), up to the longest a request may wait. A picker
+# starved of CPU by engines beside it (two vLLM engines on a 2-core machine under load) once took over 2 s to
+# answer, and its client got 503 picker_unavailable for a picker that was only slow; a picker that is down refuses
+# Envoy's connection at once, so the wait only bounds a hung one.
+PICKER_MESSAGE_TIMEOUT_S = 10.0
 PICKER_MARGIN_S = 10.0
 
 
