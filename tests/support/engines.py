@@ -40,14 +40,21 @@ def waiting(engine: str) -> int:
 
 @contextmanager
 def saturated(engine: str, model: str, fronts: tuple[str, ...], holders: int = 4,
-              served_as: str | None = None) -> Iterator[None]:
+              served_as: str | None = None, until_exit: bool = False) -> Iterator[None]:
     """The one-sequence engine kept busy with one request running and the rest waiting (--saturation-queue 1); it
     stays saturated until all but one have run, holders - 1 times the ~2.5 s a 1000-token request takes here (two
-    holders left a window short enough for a queued request to be released by the first one's end). The block runs
-    once every gateway in `fronts` counts the engine saturated (`served_as`: the model it is under in a gateway of
-    several), whatever the machine's speed."""
+    holders left a window short enough for a queued request to be released by the first one's end), or with
+    `until_exit` (holders >= 3: one running, one waiting while another sends again) until the block exits, however
+    fast the engine. The block runs once every gateway in `fronts` counts the engine saturated (`served_as`: the
+    model it is under in a gateway of several), whatever the machine's speed."""
     stop = threading.Event()
-    threads = [threading.Thread(target=hold_stream, args=(engine, model, stop, 1000)) for _ in range(holders)]
+
+    def hold() -> None:
+        hold_stream(engine, model, stop, 1000)
+        while until_exit and not stop.is_set():
+            hold_stream(engine, model, stop, 1000)
+    assert not until_exit or holders >= 3, "until_exit needs three holders: one running, two waiting"
+    threads = [threading.Thread(target=hold) for _ in range(holders)]
     for t in threads:
         t.start()
     try:

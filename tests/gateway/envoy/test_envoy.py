@@ -118,7 +118,7 @@ def test_a_queued_request_is_held_past_envoys_message_timeout_and_released(tiny_
     try:
         wait_until_routable(url)
         with ThreadPoolExecutor(1) as pool:
-            with saturated(engine_url, model, (url,), holders=3):
+            with saturated(engine_url, model, (url,), holders=3, until_exit=True):  # past the message timeout
                 queued = pool.submit(complete, url, model, "queued", 4, 60)
                 until(lambda: httpx.get(f"{url}/ready").json()["queued"] == 1, "the request never queued")
                 time.sleep(PICKER_MESSAGE_TIMEOUT_S + 1.0)

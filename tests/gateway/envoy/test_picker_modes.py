@@ -178,7 +178,7 @@ def test_a_queued_request_is_held_and_released_through_the_duplex_picker(tiny_mo
         envoy = start_envoy(inference_gateway_bootstrap(tmp_path, engine_url, picker_port, port,
                                                         INFERENCE_GATEWAY_MODE), port)
         with ThreadPoolExecutor(1) as pool:
-            with saturated(engine_url, model, (url,), holders=3):
+            with saturated(engine_url, model, (url,), holders=3, until_exit=True):  # past the message timeout
                 queued = pool.submit(complete, f"http://127.0.0.1:{port}", model, "queued", 4, 60)
                 until(lambda: httpx.get(f"{url}/ready").json()["queued"] == 1, "the request never queued")
                 time.sleep(PICKER_MESSAGE_TIMEOUT_S + 1.0)
