@@ -194,7 +194,7 @@ def test_the_redis_queue_keeps_each_releases_times_to_the_millisecond_fleet_wide
             await a.refresh_counts()
             _, busy_since = await a.redis.drained(time.time() * 1000.0)
             assert busy_since == pytest.approx(queued[0], abs=0.001)  # the first one began it
-            begun_ms = (int(time.time()) + 0.9) * 1000.0
+            begun_ms = (int(time.time()) + 1.9) * 1000.0  # late in a second still to come: after every queued time
             for i, q in enumerate((a, b, a, b)):
                 assert len(await q.redis.release(1, begun_ms + i * 200.0, window_ms=1)) == 1
                 await asyncio.sleep(0.005)  # past the release window (real time)
