@@ -118,6 +118,8 @@ class Forwarder:
                                    code="upstream_error")
                 cause = None
             if cause is not None:  # not yet sent to the client: sent again whole, elsewhere
+                if cause == "aborted":
+                    self._done(pick.url, ok=False)
                 last_error = f"engine {pick.url} {ENDED[cause]} before the answer was whole"
                 self.metrics.migrations.labels(cause, "resent" if attempt == 0 else "failed").inc()
                 continue
@@ -194,8 +196,7 @@ class Forwarder:
         finally:
             await response.aclose()
         if response.status_code == 200 and ABORTED.search(content):
-            self._done(upstream.url, ok=False)
-            return content, "aborted"
+            return content, "aborted"  # its engine counted by the caller: failed if resent, as it was if relayed
         return content, None
 
     def _relay_stream(self, upstream: Upstream, admission: Admission, tried: set[str],
