@@ -15,13 +15,16 @@ from kvfleet.fleet.body_limit import BodyLimit
 from kvfleet.fleet.errors import install_error_handlers
 from kvfleet.fleet.http_limits import BodyDeadline
 from kvfleet.gateway.core import Gateway
+from kvfleet.gateway.envoy.handoff import HOP_HEADER, Handoffs, serve_handoff
 from kvfleet.gateway.python_front import handle_request
 
 FILES_PATH = "/v1/files"  # uploads: the Batch API's file limit, not a request body's
 MULTIPART_SLACK = 64 * 1024  # a multipart body's boundaries and headers around the file
 
 
-def build_app(gateway: Gateway) -> FastAPI:
+def build_app(gateway: Gateway, handoffs: Handoffs | None = None) -> FastAPI:
+    """`handoffs`: the requests the Envoy plane's picker hands to this app to relay and migrate (envoy/handoff.py);
+    None where no Envoy of kvfleet's does."""
     batch = None
     if gateway.config.batch is not None:
         from kvfleet.gateway.batch.wire import BatchApi
@@ -67,10 +70,14 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        if handoffs is not None and HOP_HEADER in request.headers:
+            return await serve_handoff(handoffs, request, "/v1/completions")
         return await handle_request(gateway, request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        if handoffs is not None and HOP_HEADER in request.headers:
+            return await serve_handoff(handoffs, request, "/v1/chat/completions")
         return await handle_request(gateway, request, "/v1/chat/completions")
 
     if batch is not None:

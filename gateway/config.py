@@ -86,6 +86,14 @@ class GatewayConfig:
     batch: BatchSettings | None = None  # the Batch API (gateway/batch/), on with --batch-dir
 
     @property
+    def hands_off(self) -> bool:
+        """Whether kvfleet's own Envoy (child or sidecar) hands each answer it can migrate to the gateway's app on
+        loopback, which relays it from the engine and continues it elsewhere when the engine drops it
+        (gateway/envoy/handoff.py): Envoy cannot splice a stream, and an engine's reset ends Envoy's stream to the
+        client. Migration on, and an Envoy built from bootstrap.py."""
+        return self.migration_limit > 0 and self.data_plane in ("envoy", "envoy-sidecar")
+
+    @property
     def several_models(self) -> bool:
         """Whether a ModelFront serves several fleets (by `model`), not one Gateway one fleet."""
         return bool(self.models or self.k8s_fleets) or self.k8s_fleet_selector is not None

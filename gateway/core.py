@@ -98,7 +98,7 @@ class Gateway:
 
             self.limiter = RateLimiter(self.queue.client, c.fleet) if self.queue.client else InProcessRateLimiter()
         self.router = Router(c, self.pool, self.prefix, self.metrics)
-        if c.data_plane == "python":  # else Envoy carries the bytes
+        if c.data_plane == "python" or c.hands_off:  # else Envoy carries the bytes
             self.forwarder = Forwarder(c, self.client, self.router)
         self.adapters = ServedAdapters(self.pool, c.engine_api_key)
         self.scraper = Scraper(self.pool, c.scrape_interval_s, on_scrape=self._scraped,

@@ -79,9 +79,11 @@ class Forwarder:
         self.pool, self.metrics = router.pool, router.metrics
 
     async def forward(self, admission: Admission, path: str,
-                      headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str) -> Response:
-        """Sends to the engine the router picks; an engine fault or a busy answer is retried once elsewhere, an answer
-        the request caused (4xx, unmarked 5xx) is returned as it is."""
+                      headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str,
+                      first: Dispatch | None = None) -> Response:
+        """Sends to the engine the router picks (`first`: the one the Envoy plane's picker already picked and
+        recorded, whose fallback is the retry's engine, as Envoy's would be); an engine fault or a busy answer is
+        retried once elsewhere, an answer the request caused (4xx, unmarked 5xx) is returned as it is."""
         tried: set[str] = set()
         last_busy: tuple[str, httpx.Response, bytes] | None = None
         last_error = "no engine is available"
@@ -89,7 +91,7 @@ class Forwarder:
             # the request was admitted because the fleet had room (or released from the queue, or this is a retry);
             # requests admitted together can fill it before their picks, and then the least-loaded healthy engine
             # queues the request itself rather than the client getting 503 `no_engine`
-            pick = self.router.dispatch(admission.hashes, frozenset(tried), admission.priority is Priority.CRITICAL)
+            pick = first if attempt == 0 and first is not None else self._next(admission, tried, first)
             if pick is None:
                 break
             tried.add(pick.url)
@@ -130,6 +132,13 @@ class Forwarder:
         if last_busy is not None:
             return _passthrough(last_busy[1], last_busy[2], last_busy[0])
         raise admission.no_engine(last_error, 502 if tried else 503)
+
+    def _next(self, admission: Admission, tried: set[str], first: Dispatch | None) -> Dispatch | None:
+        critical = admission.priority is Priority.CRITICAL
+        fallback = next((url for url in first.fallbacks if url not in tried), None) if first is not None else None
+        if fallback is not None and fallback in self.pool.endpoints:
+            return self.router.dispatch_to(admission.hashes, fallback, critical)
+        return self.router.dispatch(admission.hashes, frozenset(tried), critical)
 
     async def _send(self, pick: Dispatch, path: str, raw_body: bytes,
                     headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str) -> Upstream | str:

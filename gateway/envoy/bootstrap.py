@@ -4,7 +4,8 @@ Envoy carries the bytes; the gateway's endpoint picker decides. Generation reque
 the picker gets their headers, then their buffered body, and answers with the chosen engine and a fallback in
 `x-gateway-destination-endpoint` (the Gateway API Inference Extension's header), which the engines' cluster (EDS
 from a file, override-host load balancing) tries in order, retrying once on an engine's failure, or with an
-immediate answer (401, 400, 429, 503). Responses and streams never pass the picker.
+immediate answer (401, 400, 429, 503), or hands the request to the gateway's app, which relays its answer from the
+engine and migrates it when the engine drops it (envoy/handoff.py). Responses and streams never pass the picker.
 Everything else (/health, /ready, /metrics, /v1/models) goes to the gateway's own HTTP app on loopback.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from kvfleet.fleet import headers
 from kvfleet.gateway.config import GatewayConfig
+from kvfleet.gateway.envoy.handoff import HOP_HEADER
 from kvfleet.gateway.envoy.lua import USAGE_NAMESPACE, attempt_access_log, lua_filter, usage_access_log
 from kvfleet.gateway.envoy.replies import local_reply_config
 
@@ -40,6 +42,9 @@ def _address(host: str, port: int) -> dict:
 def _static_cluster(name: str, port: int, http2: bool = False) -> dict:
     cluster: dict = {
         "name": name, "type": "STATIC", "connect_timeout": "1s",
+        # the app carries every handed-off answer (envoy/handoff.py): as many at once as the engines' cluster
+        "circuit_breakers": {"thresholds": [{"max_connections": 4096, "max_pending_requests": 4096,
+                                             "max_requests": 4096}]},
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": _address("127.0.0.1", port)}}]}]},
     }
@@ -146,7 +151,12 @@ def _routes(config: GatewayConfig) -> list[dict]:
     name_engine = [{"header": {"key": headers.ENGINE, "value": "%UPSTREAM_HOST_NAME%"},
                     "append_action": "OVERWRITE_IF_EXISTS_OR_ADD", "keep_empty_value": False}]
     with_fallback = [{"name": DESTINATION_HEADER, "string_match": {"contains": ","}}]
-    generation = [{"match": {"path": path, "headers": with_fallback},
+    # a request the picker handed to the gateway's app, which relays and migrates its answer (envoy/handoff.py);
+    # the app names the engine itself, and retries elsewhere itself
+    handed = [{"match": {"path": path, "headers": [{"name": HOP_HEADER, "present_match": True}]},
+               "route": {**to_engines, "cluster": APP_CLUSTER}}
+              for path in GENERATION_PATHS] if config.hands_off else []
+    generation = handed + [{"match": {"path": path, "headers": with_fallback},
                    "route": {**to_engines, "retry_policy": _retry_policy()}, "response_headers_to_add": name_engine}
                   for path in GENERATION_PATHS]
     generation += [{"match": {"path": path}, "route": to_engines, "response_headers_to_add": name_engine}

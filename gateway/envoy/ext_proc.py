@@ -40,7 +40,8 @@ from kvfleet.gateway.envoy.ext_proc_modes import (
     streamed_route,
 )
 from kvfleet.gateway.envoy.feed import EnvoyFeed
-from kvfleet.gateway.envoy.messages import header_map, immediate, route_to, subset_hint
+from kvfleet.gateway.envoy.handoff import Handoff, Handoffs, handed_off
+from kvfleet.gateway.envoy.messages import header_map, immediate, route_to, route_to_hop, subset_hint
 from kvfleet.gateway.routing.router import Dispatch
 
 log = logging.getLogger("kvfleet.gateway.picker")
@@ -50,9 +51,12 @@ _CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())  # the h
 class EndpointPicker(ExternalProcessorServicer):
     """One Envoy stream per request; the decisions are the gateway's own."""
 
-    def __init__(self, gateway: Gateway, feed: EnvoyFeed | None = None) -> None:
+    def __init__(self, gateway: Gateway, feed: EnvoyFeed | None = None, handoffs: Handoffs | None = None) -> None:
         self.gateway = gateway
         self.feed = feed  # settles, counts and judges each routed request from Envoy's access log entry
+        # where requests handed to the gateway's app wait for Envoy to bring them (envoy/handoff.py); None: an Envoy
+        # that routes every request to its engine (one kvfleet did not configure)
+        self.handoffs = handoffs
 
     async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 (gRPC's name)
         first = await context.read()
@@ -70,18 +74,22 @@ class EndpointPicker(ExternalProcessorServicer):
             raw, streamed = await self._read_body(context, first.request_headers.end_of_stream, modes)
             target = self.gateway.target(ticket, request_headers.get(":path", "").split("?", 1)[0], raw)
             counted_by = target.gateway
-            admission = await admit(ticket, target, stream_usage=self.feed is not None)
+            # an answer the app relays can be migrated: a stream asks its engine for the token ids that takes
+            can_hand_off = self.handoffs is not None and target.gateway.config.hands_off and not modes.duplex
+            admission = await admit(ticket, target, stream_usage=self.feed is not None, continuable=can_hand_off)
             if admission.queued:  # Envoy holds the request as long as its queue deadline allows
                 seconds = ticket.max_queue_ms / 1000.0 + PICKER_MARGIN_S
                 await context.write(pb.ProcessingResponse(
                     override_message_timeout=Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9))))
             await admission.wait()  # gRPC cancels this handler when Envoy resets the stream: its client left
             exclude = outside_subset(target.gateway.router.pool.urls(), subset_hint(first))
-            pick = admission.dispatch(exclude, FALLBACKS)
+            hop = can_hand_off and handed_off(admission, target.body.get("stream") is True)
+            pick = admission.dispatch(exclude, FALLBACKS)  # the fallback: Envoy's retry, or the app's
+            key = self.handoffs.park(Handoff(admission, pick, request_id)) if hop else None
             try:
-                await self._route(context, admission, pick, modes, streamed, request_id)
+                await self._route(context, admission, pick, modes, streamed, request_id, key)
             except BaseException:
-                pick.started()
+                self._unpark(key, admission, pick)
                 raise
         except APIError as err:
             # counted before the answer goes: Envoy may end the stream once it has the answer, which cancels this
@@ -94,6 +102,13 @@ class EndpointPicker(ExternalProcessorServicer):
         gateway, url = admission.gateway, pick.url
         if self.feed is None:  # else counted with the answer's real status from Envoy's entry
             gateway.metrics.labelled(gateway.metrics.requests, priority.value, "200").inc()
+        if key is not None:  # the app's forwarder counts it at its engines from here, and ends it on a silent one
+            try:
+                while await context.read() is not grpc.aio.EOF:
+                    pass
+            finally:
+                self._unpark(key, admission, pick)
+            return
         # Envoy closes the stream when the request is done; our own Envoy sends nothing more before that. An engine
         # that stops answering even its /metrics (a blackhole: EndpointPool.mark_unreachable) ends the wait, and
         # the picker ends the request: Envoy answers 503 if the engine had not answered yet, else resets the stream.
@@ -135,12 +150,23 @@ class EndpointPicker(ExternalProcessorServicer):
             raise APIError(499, "the client closed the connection", code="client_closed")
         return message.request_body.body, streamed
 
+    def _unpark(self, key: str | None, admission: Admission, pick: Dispatch) -> None:
+        """A handed-off request Envoy never brought to the app (its client left, the route failed) is forgotten and
+        leaves its engine's count; once the app took it, its forwarder does that."""
+        if key is not None and self.handoffs.drop(key):
+            admission.gateway.pool.record_done(pick.url, None)
+        pick.started()
+
     async def _route(self, context: grpc.aio.ServicerContext, admission: Admission, pick: Dispatch, modes: Modes,
-                     streamed: StreamedBody, request_id: str | None) -> None:
-        """Tell Envoy where the request goes (and, in duplex mode, its body)."""
+                     streamed: StreamedBody, request_id: str | None, key: str | None = None) -> None:
+        """Tell Envoy where the request goes (and, in duplex mode, its body): its engines, or the gateway's app by
+        the key it is parked under."""
         gateway = admission.gateway
-        message = route_to([pick.url, *pick.fallbacks], admission.body if admission.changed else None,
-                           gateway.config.engine_api_key, request_id)
+        if key is not None:
+            message = route_to_hop(key, request_id)
+        else:
+            message = route_to([pick.url, *pick.fallbacks], admission.body if admission.changed else None,
+                               gateway.config.engine_api_key, request_id)
         if self.feed is not None:  # the ticket Envoy's access log entry brings back with the answer's usage
             ticket, metadata = self.feed.expect(admission.priority.value, admission.settlement, admission.degraded,
                                                 gateway.metrics)

@@ -23,6 +23,7 @@ from kvfleet.gateway.core import Gateway
 from kvfleet.gateway.envoy.bootstrap import build_bootstrap
 from kvfleet.gateway.envoy.eds import EndpointsFile
 from kvfleet.gateway.envoy.feed import EnvoyFeed
+from kvfleet.gateway.envoy.handoff import Handoffs
 from kvfleet.gateway.envoy.picker_mode import start_network_picker
 
 
@@ -56,7 +57,8 @@ async def serve_with_envoy(gateway: Gateway, host: str, port: int, drain_timeout
     # never Envoy's own port: not bound until Envoy starts, the OS may offer it, and the internal app on it would
     # answer /ready while Envoy fails to bind
     app_port, picker_port, admin_port = free_ports(3, avoid={port})
-    server = uvicorn.Server(server_config(build_app(gateway), "127.0.0.1", app_port, drain_timeout,
+    handoffs = Handoffs() if config.hands_off else None  # answers Envoy brings to the app to relay and migrate
+    server = uvicorn.Server(server_config(build_app(gateway, handoffs), "127.0.0.1", app_port, drain_timeout,
                                           config.http_limits, backlog=4096))
     serving = asyncio.create_task(server.serve())
     while not server.started:
@@ -75,7 +77,8 @@ async def serve_with_envoy(gateway: Gateway, host: str, port: int, drain_timeout
         envoy_binary(), "-c", str(bootstrap), "--disable-hot-restart", "--log-level", "warn",
         "--log-path", str(run_dir / "envoy.log"), preexec_fn=_die_with_parent)
     feed = EnvoyFeed(gateway.pool, gateway.metrics)  # Envoy's access log: usage, status, outcomes
-    picker, _, _ = await start_network_picker(gateway, "127.0.0.1", picker_port, feed)  # Envoy is its only client
+    # Envoy is the picker's only client
+    picker, _, _ = await start_network_picker(gateway, "127.0.0.1", picker_port, feed, handoffs)
     print(f"kvfleet gateway: Envoy serves http://{host}:{port} (picker on 127.0.0.1:{picker_port}, "
           f"Envoy log {run_dir / 'envoy.log'})", file=sys.stderr, flush=True)
     exited = asyncio.create_task(envoy.wait())

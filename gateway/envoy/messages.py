@@ -15,6 +15,7 @@ from kvfleet.fleet import headers
 from kvfleet.fleet.errors import APIError
 from kvfleet.gateway.envoy.bootstrap import DESTINATION_HEADER
 from kvfleet.gateway.envoy.eds import envoy_address
+from kvfleet.gateway.envoy.handoff import HOP_HEADER
 
 # The protocol's names: where the picker's list goes (and the header of the same name), where the proxy's subset is.
 DESTINATION_NAMESPACE = "envoy.lb"
@@ -66,7 +67,7 @@ def route_to(urls: Sequence[str], body: bytes | None, engine_api_key: str | None
     set_headers = [_set(DESTINATION_HEADER, destinations)]
     if request_id is not None:
         set_headers.append(_set(headers.REQUEST_ID, request_id))
-    remove = list(_CLIENT_CREDENTIALS)
+    remove = [*_CLIENT_CREDENTIALS, HOP_HEADER]  # a client's own hop header would send it to the gateway's app
     if engine_api_key:
         set_headers.append(_set(headers.AUTHORIZATION, f"Bearer {engine_api_key}"))
         remove.remove(headers.AUTHORIZATION)
@@ -79,3 +80,16 @@ def route_to(urls: Sequence[str], body: bytes | None, engine_api_key: str | None
     metadata = Struct()  # set field by field: Struct.update from dicts costs more than twice as much
     metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = destinations
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
+
+
+def route_to_hop(key: str, request_id: str | None = None) -> pb.ProcessingResponse:
+    """The body phase's answer for a request handed to the gateway's app (envoy/handoff.py): Envoy's hop route, by the
+    parked request's key. The app sends the admitted body (and the engines' token) itself: Envoy's copy of the body
+    is left as it is, and the client's credentials go no further."""
+    set_headers = [_set(HOP_HEADER, key)]
+    if request_id is not None:
+        set_headers.append(_set(headers.REQUEST_ID, request_id))
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers,
+                                                                 remove_headers=list(_CLIENT_CREDENTIALS)),
+                               clear_route_cache=True)
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))

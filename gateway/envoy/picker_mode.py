@@ -29,6 +29,7 @@ from kvfleet.gateway.core import Gateway
 from kvfleet.gateway.envoy.eds import EndpointsFile
 from kvfleet.gateway.envoy.ext_proc import EndpointPicker, picker_server
 from kvfleet.gateway.envoy.feed import EnvoyFeed
+from kvfleet.gateway.envoy.handoff import Handoffs
 from kvfleet.gateway.envoy.lua import ACCESS_LOG_FLUSH_S
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -38,8 +39,8 @@ class CountedPicker(EndpointPicker):
     """The picker, counting its open streams: at shutdown it waits for them, not for Envoy's access-log stream
     (which lasts as long as Envoy)."""
 
-    def __init__(self, gateway: Gateway, feed: EnvoyFeed | None) -> None:
-        super().__init__(gateway, feed)
+    def __init__(self, gateway: Gateway, feed: EnvoyFeed | None, handoffs: Handoffs | None = None) -> None:
+        super().__init__(gateway, feed, handoffs)
         self.open_streams = 0
 
     async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 (gRPC's name)
@@ -50,11 +51,13 @@ class CountedPicker(EndpointPicker):
             self.open_streams -= 1
 
 
-async def start_network_picker(gateway: Gateway, host: str, port: int, feed: EnvoyFeed | None
+async def start_network_picker(gateway: Gateway, host: str, port: int, feed: EnvoyFeed | None,
+                               handoffs: Handoffs | None = None
                                ) -> tuple[grpc.aio.Server, CountedPicker, health.aio.HealthServicer]:
-    """The picker's gRPC server on host:port, with a health service that says SERVING for it and for "" (overall)."""
+    """The picker's gRPC server on host:port, with a health service that says SERVING for it and for "" (overall);
+    `handoffs`: where it parks the requests it hands to the app (envoy/handoff.py)."""
     server = picker_server(gateway)
-    picker = CountedPicker(gateway, feed)
+    picker = CountedPicker(gateway, feed, handoffs)
     add_ExternalProcessorServicer_to_server(picker, server)
     if feed is not None:
         add_AccessLogServiceServicer_to_server(feed, server)
@@ -71,8 +74,10 @@ async def start_network_picker(gateway: Gateway, host: str, port: int, feed: Env
 
 async def serve_picker_only(gateway: Gateway, host: str, port: int, drain_timeout: float) -> int:
     config = gateway.config
-    server = uvicorn.Server(server_config(build_app(gateway), host, port, drain_timeout, config.http_limits,
-                                          backlog=4096))
+    # the chart's sidecar Envoy hands answers it can migrate to this app, as kvfleet's Envoy child does
+    handoffs = Handoffs() if config.hands_off and config.data_plane == "envoy-sidecar" else None
+    server = uvicorn.Server(server_config(build_app(gateway, handoffs), host, port, drain_timeout,
+                                          config.http_limits, backlog=4096))
     serving = asyncio.create_task(server.serve())
     while not server.started:
         if serving.done():
@@ -89,7 +94,7 @@ async def serve_picker_only(gateway: Gateway, host: str, port: int, drain_timeou
         feed = EnvoyFeed(gateway.pool, gateway.metrics)
         endpoints = asyncio.create_task(EndpointsFile(gateway.pool, Path(config.envoy_endpoints_file)).run())
     grpc_server, picker, health_servicer = await start_network_picker(gateway, picker_host, config.picker_port,
-                                                                       feed)
+                                                                       feed, handoffs)
     print(f"kvfleet gateway: endpoint picker (ext_proc, grpc.health.v1) on {picker_host}:{config.picker_port}; "
           "Envoy runs apart from this process", file=sys.stderr, flush=True)
     stop_asked = asyncio.create_task(asked_to_stop.wait())

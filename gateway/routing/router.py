@@ -91,9 +91,15 @@ class Router:
         urls = self.rank(hashes, exclude, must=True, critical=critical, fallbacks=fallbacks)
         if not urls:
             return None
-        tokens = self.dispatched(hashes, urls[0])
-        started = self.pool.critical_sent(urls[0], tokens) if critical else nothing_counted
-        return Dispatch(urls[0], tuple(urls[1:]), started)
+        return self.dispatch_to(hashes, urls[0], critical, tuple(urls[1:]))
+
+    def dispatch_to(self, hashes: PromptKeys, url: str, critical: bool = False,
+                    fallbacks: tuple[str, ...] = ()) -> Dispatch:
+        """The request goes to `url`, chosen already (a fallback named by an earlier dispatch), recorded as
+        dispatch() records its pick."""
+        tokens = self.dispatched(hashes, url)
+        started = self.pool.critical_sent(url, tokens) if critical else nothing_counted
+        return Dispatch(url, fallbacks, started)
 
     def dispatched(self, hashes: PromptKeys, url: str) -> int:
         """The request goes to url: the prompt tokens the engine likely computes for it count on the engine until

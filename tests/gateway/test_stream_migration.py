@@ -1,7 +1,8 @@
-"""No request lost when an engine dies under it (issue 57), through the Python data plane, on real engines: a stream
+"""No request lost when an engine dies under it (issue 57), through both data planes, on real engines: a stream
 whose engine is SIGKILLed, SIGTERMed past its grace or frozen (SIGSTOP) mid-answer goes on on the other engine from
 its exact token, and the client reads one answer (one id, every token once, [DONE]) with the text an undisturbed
-greedy run gives in float32; a non-streamed answer cut off mid-generation is sent again whole elsewhere. With
+greedy run gives in float32; a non-streamed answer cut off mid-generation is sent again whole elsewhere. On the Envoy
+plane the picker hands such answers to the gateway's app, which relays and migrates them (envoy/handoff.py). With
 --migration-limit 0 the client is told the output is incomplete, as before."""
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ CHAT = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "ma
         "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture
-def fleet(tiny_model_dir) -> Iterator[tuple[dict[str, object], str, str]]:
-    """Two float32 engines behind a Python-plane gateway (round-robin); yields (engine processes by URL, gateway
-    URL, model). A test may kill an engine: each gets its own."""
+@pytest.fixture(params=["python", "envoy"])
+def fleet(tiny_model_dir, request) -> Iterator[tuple[dict[str, object], str, str]]:
+    """Two float32 engines behind a gateway of each data plane (round-robin); yields (engine processes by URL,
+    gateway URL, model). A test may kill an engine: each gets its own."""
     engines = dict((url, proc) for proc, url in start_engine_servers(tiny_model_dir, FLOAT32, FLOAT32))
     # an engine that sends nothing for 3 s (frozen: SIGSTOP) has failed: a live one sends a token every few ms
     gateway, url = start_gateway(*(a for e in engines for a in ("--engine", e)), "--routing", "round-robin",
-                                 "--data-plane", "python", "--upstream-idle-timeout", "3")
+                                 "--data-plane", request.param, "--upstream-idle-timeout", "3")
     try:
         wait_until_routable(url, 2)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]

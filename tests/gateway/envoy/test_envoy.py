@@ -14,6 +14,7 @@ from openai import OpenAI
 
 from kvfleet.fleet import ports
 from kvfleet.gateway.envoy.bootstrap import PICKER_MESSAGE_TIMEOUT_S
+from kvfleet.gateway.envoy.handoff import HOP_HEADER, Handoff, Handoffs
 from tests.conftest import start_engine_servers, start_gateway, stop_process
 from tests.support.clients import complete
 from tests.support.engines import LONG, saturated
@@ -159,3 +160,29 @@ def test_an_empty_body_gets_a_400_from_the_picker_not_envoys_503(envoy_gateway) 
     r = httpx.post(f"{url}/v1/completions", content=b"", headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400
     assert json.loads(r.content)["error"]["message"]
+
+
+@pytest.mark.parametrize("extra", [{}, {"stream": True, "n": 2}], ids=["handed-to-the-app", "straight-to-the-engine"])
+def test_a_clients_own_hop_header_changes_nothing(envoy_gateway, model, extra: dict) -> None:
+    """The picker alone names the request it hands to the gateway's app (envoy/handoff.py): a client's header of that
+    name is replaced (an answer the gateway migrates) or removed (one it does not: a stream of two choices), and the
+    request is answered as any other."""
+    url, engine = envoy_gateway
+    r = httpx.post(f"{url}/v1/completions", headers={HOP_HEADER: "0" * 32},
+                   json={"model": model, "prompt": "hello", "max_tokens": 3, "ignore_eos": True, **extra}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvfleet-engine"] == engine
+    if extra:
+        assert {c["choices"][0]["index"] for c in map(json.loads, r.text.split("data: ")[1:-1])} == {0, 1}
+    else:
+        assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_handed_off_request_is_taken_once_and_an_unknown_key_names_nothing() -> None:
+    handoffs = Handoffs()
+    key = handoffs.park(Handoff(admission=None, pick=None, request_id="r"))  # type: ignore[arg-type]
+    assert len(key) == 32 and len(handoffs) == 1
+    assert handoffs.take(key).request_id == "r"
+    assert handoffs.take(key) is None and not handoffs.drop(key) and len(handoffs) == 0
+    other = handoffs.park(Handoff(admission=None, pick=None, request_id="s"))  # type: ignore[arg-type]
+    assert handoffs.drop(other) and handoffs.take(other) is None
