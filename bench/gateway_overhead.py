@@ -11,7 +11,9 @@ sharing a Redis: `gateway`, the Python proxy (--data-plane python) with default 
 same never counting the engine as saturated (--saturation-queue 1000000), so that nothing waits in its fleet queue
 and what it adds is the proxying alone; `gateway-no-migration`, that with migration off (--migration-limit 0: what
 migration costs when nothing fails is gateway-no-limit against it); `gateway-envoy`, Envoy (the default data
-plane) with the gateway's endpoint picker deciding, never saturated either; and each peer router installed, with
+plane) with the gateway's endpoint picker deciding, never saturated either, handing the answers it can migrate to the
+gateway's app (gateway/envoy/handoff.py); `gateway-envoy-no-migration`, that with migration off (Envoy carries every
+answer straight from the engine: what the hand-off costs); and each peer router installed, with
 round-robin. Latency: rounds of `--batch` requests per arm at a fixed concurrency, the
 arms' order rotated and reversed round by round so drift hits all alike; requests cycle through max_tokens 1-4,
 streamed and not, EOS ignored, 16-word prompts. Reports end-to-end p50/p99 per arm, each arm − direct, and how
@@ -55,13 +57,15 @@ from bench.overhead_targets import MAX_ADDED_P99_MS, targets
 from kvfleet.bench_report import percentile
 from kvfleet.loadgen import ENDPOINTS, LoadSpec, PlannedRequest, RequestRecord, make_prompts, send_one
 
-KVFLEET_ARMS = ("direct", "gateway", "gateway-no-limit", "gateway-no-migration", "gateway-envoy")
+KVFLEET_ARMS = ("direct", "gateway", "gateway-no-limit", "gateway-no-migration", "gateway-envoy",
+                "gateway-envoy-no-migration")
 ARMS = (*KVFLEET_ARMS, *peers.PEERS)
 NO_LIMIT = ["--saturation-queue", "1000000"]  # the engine never counts as saturated: nothing waits in the queue
 PYTHON = ["--data-plane", "python"]  # Envoy is the default data plane: the Python proxy's arms name theirs
 GATEWAY_FLAGS = {"gateway": PYTHON, "gateway-no-limit": [*NO_LIMIT, *PYTHON],
                  "gateway-no-migration": [*NO_LIMIT, *PYTHON, "--migration-limit", "0"],
-                 "gateway-envoy": [*NO_LIMIT, "--data-plane", "envoy"]}
+                 "gateway-envoy": [*NO_LIMIT, "--data-plane", "envoy"],
+                 "gateway-envoy-no-migration": [*NO_LIMIT, "--data-plane", "envoy", "--migration-limit", "0"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +213,7 @@ async def measure(fleet: BenchFleet, urls: dict[str, str], processes: dict[str, 
                       "first_failure": {"status": failed[0].status, "error": failed[0].error} if failed else None,
                       "queued_in_gateway": sum(w["queued"] for w in queued.values()),
                       "cpu_ms_per_request": {k: 1000 * v / max(1, ok) for k, v in cpu.items()}}
-            if arm == "gateway-envoy":
+            if arm.startswith("gateway-envoy"):
                 (own0, envoy0), (own1, envoy1) = split_before[processes[arm]], split_after[processes[arm]]
                 window["cpu_split_ms_per_request"] = {"envoy": 1000 * (envoy1 - envoy0) / max(1, ok),
                                                       "picker": 1000 * (own1 - own0) / max(1, ok)}

@@ -12,7 +12,7 @@ from bench.plotting import finish, pyplot
 from kvfleet.bench_report import percentile
 
 COLORS = {"direct": "tab:gray", "gateway": "tab:green", "gateway-no-limit": "tab:blue",
-          "gateway-no-migration": "tab:cyan", "gateway-envoy": "tab:orange",
+          "gateway-no-migration": "tab:cyan", "gateway-envoy": "tab:orange", "gateway-envoy-no-migration": "tab:olive",
           "smg": "tab:red", "sglang-router": "tab:purple", "vllm-router": "tab:brown"}
 
 
