@@ -9,7 +9,9 @@ ReplicaSet controller and the kubelet do for the operator's engine Deployments, 
   Deployment's status;
 - runs a `vllm` container with this machine's vLLM (kvfleet/local/vllm.py), its model from the node's cache, its KV
   events on loopback, pinned to the core fewest pods use (as a static CPU manager would);
-- a Pod deleted through the API has its process stopped with SIGTERM (the engine drains, as after preStop);
+- a Pod deleted through the API (or scaled away) has its container's preStop sleep first, while the gateway, which
+  watches the Pods, stops routing to it; then SIGTERM (the engine finishes what it holds), and SIGKILL to its whole
+  process tree once terminationGracePeriodSeconds have passed since the deletion, as a kubelet does;
   a process that exits on its own has its Pod deleted, and a new one takes its place.
 Not emulated: scheduling, resources, images, other probes, rolling updates (a changed template is not rolled).
 """
@@ -20,8 +22,10 @@ import base64
 import datetime
 import logging
 import os
+import signal
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +54,34 @@ class PodProcess:
     ready_path: str = "/ready"
     cores: tuple[int, ...] = ()  # a vLLM pod's cores, as a kubelet's static CPU manager pins them
     ready: bool = False
+    prestop_s: float = 0.0  # its container's preStop sleep
+    grace_s: float = 30.0  # its terminationGracePeriodSeconds
+
+
+def termination(container: dict, pod_spec: dict) -> tuple[float, float]:
+    """A Pod's (preStop sleep, termination grace) in seconds: the container's `lifecycle.preStop.sleep.seconds` (0
+    without one) and the Pod's `terminationGracePeriodSeconds` (Kubernetes' default 30)."""
+    sleep = ((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}
+    grace = pod_spec.get("terminationGracePeriodSeconds")
+    return float(sleep.get("seconds") or 0), float(30 if grace is None else grace)
+
+
+@dataclass
+class Stopping:
+    """A Pod on its way out, as a kubelet stops one: its preStop sleep from `since`, then SIGTERM; SIGKILL once its
+    grace (counted from `since`, the sleep included) has passed."""
+
+    pod: PodProcess
+    since: float
+    termed: bool = False
+
+    def due(self, now: float) -> signal.Signals | None:
+        """The signal to send now, if any (each once)."""
+        if now - self.since >= self.pod.grace_s:
+            return signal.SIGKILL
+        if not self.termed and now - self.since >= min(self.pod.prestop_s, self.pod.grace_s):
+            return signal.SIGTERM
+        return None
 
 
 def pods_to_stop(pods: list[PodProcess], desired: int) -> list[PodProcess]:
@@ -101,6 +133,7 @@ class LocalKubelet:
         self.namespace, self.run_dir, self.period_s = namespace, run_dir, period_s
         self.env = dict(env) if env is not None else dict(os.environ)
         self.pods: dict[str, PodProcess] = {}
+        self.stopping: dict[str, Stopping] = {}  # deleted Pods whose process has not exited yet
         self.vllm = vllm  # what runs a `vllm` container (None: the one find_vllm names, when one comes)
         self.procs = Supervisor(run_dir)  # every engine it started; a deleted Pod's stays until it has exited
         self._stop = threading.Event()
@@ -122,6 +155,7 @@ class LocalKubelet:
         deployments = [d for d in self.apps.list_namespaced_deployment(self.namespace).items
                        if (d.metadata.labels or {}).get("app.kubernetes.io/name") == ENGINE_APP]
         listed = {p.metadata.name for p in self.core.list_namespaced_pod(self.namespace).items}
+        self._stop_leaving(time.monotonic())
         for pod in list(self.pods.values()):
             if pod.name not in listed:  # deleted through the API: stop it gracefully
                 self._terminate(pod)
@@ -169,8 +203,9 @@ class LocalKubelet:
                 "status": {"phase": "Running", "podIP": "127.0.0.1",
                            "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": _now()}]}}
         self.core.create_namespaced_pod(self.namespace, body)
+        prestop_s, grace_s = termination(container, self.api_client.sanitize_for_serialization(template.spec))
         self.pods[name] = PodProcess(name, dep.metadata.name, proc, port, proc.log_path, readiness_path(container),
-                                     cores)
+                                     cores, prestop_s=prestop_s, grace_s=grace_s)
         log.info("local kubelet: started %s on port %d", name, port)
 
     def _container_env(self, container: dict) -> dict[str, str]:
@@ -214,7 +249,19 @@ class LocalKubelet:
     def _terminate(self, pod: PodProcess) -> None:
         self.pods.pop(pod.name, None)
         if pod.proc.poll() is None:
-            pod.proc.terminate()  # the supervisor waits for it (and kills it if need be) in stop()
+            self.stopping[pod.name] = Stopping(pod, time.monotonic())
+            self._stop_leaving(time.monotonic())
+
+    def _stop_leaving(self, now: float) -> None:
+        """The signals due to the Pods on their way out; those that have exited are done (their tree is ended by
+        the supervisor's prune)."""
+        for name, leaving in list(self.stopping.items()):
+            if leaving.pod.proc.poll() is not None:
+                del self.stopping[name]
+            elif (sig := leaving.due(now)) is not None:
+                log.info("local kubelet: %s gets %s", name, sig.name)
+                leaving.pod.proc.send_signal(sig)
+                leaving.termed = True
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop syncing, then every engine (they drain), as a node shutting down."""
@@ -222,4 +269,5 @@ class LocalKubelet:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.pods.clear()
+        self.stopping.clear()
         self.procs.stop(timeout_s)

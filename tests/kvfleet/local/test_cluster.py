@@ -13,6 +13,7 @@ import ast
 import logging
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from kubernetes import client
 
 from kvfleet.local.cluster import ClusterSpec, LocalCluster, default_fleet, route_chatty_logs, unroute_chatty_logs
 from kvfleet.local.kube_tables import human_age
-from kvfleet.local.kubelet import PodProcess, local_command, pods_to_stop
+from kvfleet.local.kubelet import PodProcess, Stopping, local_command, pods_to_stop, termination
 from tests.conftest import free_port
 from tests.support.lora_adapters import make_adapter
 from tests.support.paths import ROOT
@@ -45,6 +46,22 @@ def test_a_replicaset_stops_not_ready_pods_first_then_the_newest() -> None:
     assert [p.name for p in pods_to_stop(pods, 2)] == ["b", "d"]
     assert pods_to_stop(pods, 4) == [] and pods_to_stop(pods, 9) == []
     assert [p.name for p in pods_to_stop(pods, 0)] == ["b", "d", "c", "a"]
+
+
+def test_a_deleted_pod_sleeps_its_prestop_then_gets_sigterm_then_sigkill_at_its_grace() -> None:
+    """As a kubelet: the gateway, watching the Pods, stops routing to a deleted one during its preStop sleep, so its
+    engine gets SIGTERM only once nothing new comes; SIGKILL when terminationGracePeriodSeconds (from the deletion,
+    the sleep included) run out."""
+    container = {"lifecycle": {"preStop": {"sleep": {"seconds": 5}}}}
+    assert termination(container, {"terminationGracePeriodSeconds": 45}) == (5.0, 45.0)
+    assert termination({}, {}) == (0.0, 30.0)  # no hook: SIGTERM at once; Kubernetes' default grace
+    leaving = Stopping(PodProcess("a", "chat-engine", None, 0, None, prestop_s=5, grace_s=45), since=100.0)  # type: ignore[arg-type]
+    assert [leaving.due(t) for t in (100.0, 104.9)] == [None, None]
+    assert leaving.due(105.0) == signal.SIGTERM
+    leaving.termed = True
+    assert leaving.due(120.0) is None and leaving.due(145.0) == signal.SIGKILL
+    short = Stopping(PodProcess("b", "chat-engine", None, 0, None, prestop_s=60, grace_s=10), since=0.0)  # type: ignore[arg-type]
+    assert short.due(9.9) is None and short.due(10.0) == signal.SIGKILL  # the grace bounds the hook too
 
 
 def test_the_container_command_runs_here_on_loopback() -> None:
