@@ -1,7 +1,7 @@
 """Chaos: engines killed under load, and what the clients got (issue 57's targets).
 
-    python -m bench.chaos                                   # kvfleet engines: all three arms
-    python -m bench.chaos --runtime vllm --arms python      # vLLM engines (kvfleet vllm install)
+    python -m bench.chaos                                   # kvfleet engines: all four arms
+    python -m bench.chaos --runtime vllm --arms envoy       # vLLM engines (kvfleet vllm install)
     python -m bench.chaos --quick                           # a ~2-minute smoke run
 
 Three engines (float32, greedy: every answer has one right text) behind a gateway; `--concurrency` clients each send
@@ -9,7 +9,8 @@ one request after another, streamed and not in turn, over `--prompts` prompts wh
 first through the same gateway. Every `--kill-every` seconds for `--duration` seconds the next engine in turn is
 SIGKILLed and started again at once on its port (as a pod's container restarts). Arms, one after another on the same
 engines: `python` (the Python data plane, migration on: the default there), `python-no-migration`
-(--migration-limit 0: the baseline) and `envoy` (the default data plane, which does not migrate yet).
+(--migration-limit 0: the baseline), `envoy` (the default data plane, migrating through the gateway's app:
+gateway/envoy/handoff.py) and `envoy-no-migration` (Envoy carrying every answer straight from its engine).
 
 Reports per arm: requests answered whole (200, the model's own end, [DONE] for a stream, no error event), text
 identical to the undisturbed answer, and for the streams that were in flight on a killed engine the longest gap
@@ -36,7 +37,8 @@ from kvfleet.local.supervisor import Child, spawn
 
 ARMS = {"python": ["--data-plane", "python"],
         "python-no-migration": ["--data-plane", "python", "--migration-limit", "0"],
-        "envoy": ["--data-plane", "envoy"]}
+        "envoy": ["--data-plane", "envoy"],
+        "envoy-no-migration": ["--data-plane", "envoy", "--migration-limit", "0"]}
 TOPICS = ("the sea", "a lighthouse", "winter", "a library", "trains", "bees", "the moon", "a market", "rain",
           "mountains", "a clock", "bread", "a river", "owls", "a garden", "the desert")
 

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -236,8 +237,40 @@ def test_a_saturated_kvfleet_model_falls_back_to_a_vllm_model_and_comes_back(vll
         stop_process(proc)
 
 
+def test_a_client_that_leaves_frees_its_vllm_request_at_once_through_the_default_data_plane(vllm) -> None:
+    """Issue 57: a client that leaves, streamed or not, has its request aborted in vLLM and its KV blocks freed at
+    once, through the gateway `kvfleet up` runs (Envoy, the answer handed to the gateway's app to relay: its
+    connection to vLLM closes when Envoy's to it does)."""
+    body = {"model": SERVED, "prompt": "Count on and on:", "max_tokens": 400, "ignore_eos": True}
+
+    def held() -> float:
+        return sum(vllm.engine_metric(k, "vllm:num_requests_running") + vllm.engine_metric(
+            k, "vllm:num_requests_waiting") + vllm.engine_metric(k, "vllm:kv_cache_usage_perc") for k in range(2))
+
+    freed_in = []
+    with httpx.stream("POST", f"{vllm.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines), next(lines)
+        assert held() > 0
+    left = time.monotonic()
+    wait_until(lambda: held() == 0, 10, "vLLM kept a streamed request whose client left")
+    freed_in.append(time.monotonic() - left)
+    host, port = vllm.url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:  # closed while vLLM generates
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+        wait_until(lambda: sum(vllm.engine_metric(k, "vllm:num_requests_running") for k in range(2)) == 1, 30,
+                   "the request never ran in vLLM")
+    left = time.monotonic()
+    wait_until(lambda: held() == 0, 10, "vLLM kept a request whose client hung up")
+    freed_in.append(time.monotonic() - left)
+    print(f"vLLM freed a left client's request in {freed_in[0]:.2f} s (streamed), {freed_in[1]:.2f} s (not)")
+    assert max(freed_in) < 3  # at once: a few of the test's 1-scrape polls on a busy machine, not a generation
+
+
 def test_a_vllm_engine_that_dies_is_the_engines_failure_and_comes_back_with_the_index_starting_over(vllm) -> None:
-    """Its API server killed outright: a stream it served through the Python data plane is finished on the other
+    """Its API server killed outright: a stream it served through the Envoy data plane is finished on the other
     engine (vLLM's return_token_ids, continued from its exact token), requests go on to the other engine, the
     gateway drops the dead engine's blocks within seconds (its cache died with it), `kvfleet up` ends what the dead
     server left running (vLLM's EngineCore and workers, gigabytes of memory, orphaned by a SIGKILL to their parent
@@ -249,11 +282,12 @@ def test_a_vllm_engine_that_dies_is_the_engines_failure_and_comes_back_with_the_
     server = vllm.fleet.engines[0].pid
     tree = [pid for pid in group_members(server) if pid != server]
     assert tree, "vLLM's API server started no engine core"
-    # two streams through a Python-plane gateway, one on each engine, the killed one's continued on the other
-    python_plane, python_url = start_gateway(*(a for e in vllm.engines for a in ("--engine", e)), "--routing",
-                                             "round-robin", "--data-plane", "python", "--engine-api-key",
+    # two streams through a round-robin gateway of the default data plane (Envoy), one on each engine, the killed
+    # one's continued on the other
+    envoy_plane, envoy_url = start_gateway(*(a for e in vllm.engines for a in ("--engine", e)), "--routing",
+                                             "round-robin", "--data-plane", "envoy", "--engine-api-key",
                                              vllm.fleet.engine_api_key)
-    streams = [MigratingStream(python_url, k) for k in range(2)]
+    streams = [MigratingStream(envoy_url, k) for k in range(2)]
     try:
         for s in streams:
             assert s.going.wait(120), "a stream never started"
@@ -268,11 +302,11 @@ def test_a_vllm_engine_that_dies_is_the_engines_failure_and_comes_back_with_the_
                                      json={"model": SERVED, "tokens": s.ids}).json()["prompt"]
             # a stream's text skips special tokens (which ignore_eos lets the model write); /detokenize keeps them
             assert s.text == SPECIAL_TOKEN.sub("", detokenized), (s.text, detokenized)
-        migrated = [m for m in httpx.get(f"{python_url}/metrics", timeout=10).text.splitlines()
+        migrated = [m for m in httpx.get(f"{envoy_url}/metrics", timeout=10).text.splitlines()
                     if m.startswith("kvfleet_gateway_migrations_total{") and 'outcome="continued"' in m]
         assert sum(float(m.rsplit(" ", 1)[1]) for m in migrated) >= 1, migrated
     finally:
-        stop_process(python_plane)
+        stop_process(envoy_plane)
     c = client(vllm.url)
     for n in range(4):  # the first may have been sent to the dead engine: the gateway retries it elsewhere
         raw = c.chat.completions.with_raw_response.create(
