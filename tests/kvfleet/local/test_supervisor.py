@@ -13,6 +13,7 @@ import pytest
 from kvfleet.local.supervisor import ChildExited, NotReady, Supervisor, spawn
 from tests.conftest import free_port
 from tests.support.polling import until
+from tests.support.processes import alive
 
 # On SIGTERM: note it, take `linger` seconds (as an engine draining), note the exit, exit 0.
 STOPPABLE = """
@@ -121,13 +122,6 @@ print("running", flush=True)
 time.sleep(300)
 """
 
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting for its parent to reap it."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("end", ["restarted", "stopped", "pruned"])

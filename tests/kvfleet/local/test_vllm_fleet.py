@@ -14,7 +14,6 @@ import socket
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import openai
@@ -26,6 +25,7 @@ from kvfleet.operator.fleet_spec import parse_fleet
 from tests.conftest import start_engine_server, start_gateway, stop_process
 from tests.support.commands import capacity_command
 from tests.support.engines import saturated
+from tests.support.processes import alive, group_members
 from tests.support.vllm_engines import BLOCK_SIZE, MAX_NUM_SEQS, SERVED, START_TIMEOUT_S, metric
 
 CHUNK_FIELDS = {"id", "object", "created", "model", "choices", "usage"}  # an OpenAI stream chunk's
@@ -364,25 +364,6 @@ class MigratingStream:
         self.going.set()
 
 
-def group_members(pgid: int) -> list[int]:
-    """The processes of a process group (a local engine's tree: it runs in a session of its own)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            members.append(int(stat.parent.name))
-    return members
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting to be reaped."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def one_stream_rate(url: str, token: dict) -> float:
