@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvfleet.fleet import headers
+from kvfleet.fleet.http_server import KEEP_ALIVE_S
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.envoy.handoff import HOP_HEADER
 from kvfleet.gateway.envoy.lua import USAGE_NAMESPACE, attempt_access_log, lua_filter, usage_access_log
@@ -48,10 +49,13 @@ def _static_cluster(name: str, port: int, http2: bool = False) -> dict:
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": _address("127.0.0.1", port)}}]}]},
     }
-    if http2:
-        cluster["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http2_protocol_options": {}}}}
+    # HTTP/2 for the picker's gRPC; the app's HTTP/1.1 connections are let go before its server's keep-alive ends
+    # them (kvfleet.fleet.http_server), so Envoy never sends a handed-off request on a connection being closed
+    protocol = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
+    cluster["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": protocol,
+        **({} if http2 else {"common_http_protocol_options": {"idle_timeout": _seconds(KEEP_ALIVE_S - 15)}})}}
     return cluster
 
 
