@@ -5,6 +5,8 @@ through the peer routers (smg, sglang-router, vllm-router; bench/peers.py), all 
     python -m bench.gateway_overhead --rounds 20 --out bench/results
     python -m bench.gateway_overhead --quick          # a ~2-minute smoke run; its figures are noise
     python -m bench.gateway_overhead --arms direct,gateway-envoy,smg
+    python -m bench.gateway_overhead --arms direct,gateway-envoy,gateway-envoy-no-migration \
+        --peak-max-tokens 64 --peak-stream
 
 One engine of the tiny random Llama (--max-num-seqs 8, one torch thread) and, in front of it, kvfleet gateways
 sharing a Redis: `gateway`, the Python proxy (--data-plane python) with default settings; `gateway-no-limit`, the
@@ -87,6 +89,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak-seconds", type=float, default=5.0, help="length of each peak window")
     parser.add_argument("--peak-rounds", type=int, default=4,
                         help="peak windows per arm, the arms' order rotated round by round")
+    parser.add_argument("--peak-max-tokens", type=int, default=1,
+                        help="each peak request's max_tokens (1: issue 22's short requests; more, with "
+                             "--peak-stream, to see what a router costs per streamed token)")
+    parser.add_argument("--peak-stream", action="store_true", help="stream the peak windows' answers")
     parser.add_argument("--gateway-args", default="", help="extra gateway flags, e.g. '--saturation-queue 1000'")
     parser.add_argument("--arms", type=lambda s: [a for a in s.split(",") if a],
                         help=f"comma-separated, from {','.join(ARMS)}; direct is always run; default: all, the peers "
@@ -197,7 +203,7 @@ async def measure(fleet: BenchFleet, urls: dict[str, str], processes: dict[str, 
                                  for job, r in records]
         waits = queued_since(before, await queue_readings())
         peak: dict[str, list[dict]] = {arm: [] for arm in arms}
-        ones = make_jobs(1000, rng, max_tokens=lambda i: 1, stream=lambda i: False)
+        ones = make_jobs(1000, rng, max_tokens=lambda i: args.peak_max_tokens, stream=lambda i: args.peak_stream)
         for peak_round, arm in ((n, arm) for n in range(args.peak_rounds) for arm in arm_order(n, arms)):
             before, cpu_before, started = await queue_readings(), fleet.cpu_snapshot(), time.perf_counter()
             split_before = envoy_split(fleet)
