@@ -40,6 +40,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1024**3
 COMPUTE_ERROR = "the engine failed while computing this request"
 SAMPLER_ERROR = "the engine failed while sampling this request's next token"
 OUTPUT_ERROR = "the engine failed while turning this request's tokens into text"
+MIN_MEASURED_PREFILL = 64  # prompt tokens a step must compute for its prefill rate to count (_measure_prefill)
 
 
 class RequestError(ValueError):
@@ -342,14 +343,18 @@ class LLMEngine:
         return [(seq, n) for seq, n in scheduled if seq.lora is None or seq.lora.id not in failed]
 
     def _measure_prefill(self, plan, seconds: float) -> None:  # noqa: ANN001 - scheduler.SchedulerOutput
-        """Prompt tokens computed per second in steps that computed at least a block of them (a moving average). In a
-        step that also decoded, the decoding sequences' own share of it (the decode fit's per-sequence time) is not
-        counted as prefill time; the step's fixed cost is (a prompt would pay it alone)."""
+        """Prompt tokens computed per second in steps that computed at least MIN_MEASURED_PREFILL of them (and a
+        block) (a moving average). In a step that also decoded, the decoding sequences' own share of it (the decode
+        fit's per-sequence time) is not counted as prefill time; the step's fixed cost is (a prompt would pay it
+        alone). A shorter prefill is not measured: its step's fixed cost and any stall of the process dominate it, so
+        an engine whose prompts are mostly cached (the holder of a hot prefix) would read several times slower than
+        it is, and a router would send the prefix's tenants away from their cache."""
         self.prefill_tokens_pending = self.scheduler.prefill_tokens_pending()
         prefill = sum(n for _, n in plan.scheduled if n > 1)
         decoding = sum(1 for _, n in plan.scheduled if n == 1)
         spent = seconds - decoding * self.decode_fit.per_sequence_s
-        if prefill >= self.config.block_size and spent > 0.5 * seconds > 0:  # a fit that says otherwise is noise
+        enough = max(self.config.block_size, MIN_MEASURED_PREFILL)
+        if prefill >= enough and spent > 0.5 * seconds > 0:  # a fit that says otherwise is noise
             rate = prefill / spent
             self.prefill_rate = rate if not self.prefill_rate else 0.7 * self.prefill_rate + 0.3 * rate
 

@@ -7,8 +7,8 @@ here under a random key and tells Envoy to send it to the gateway's own app (the
 bootstrap.py builds); the app takes it back, and the Python proxy's forwarder (proxy.py) sends it to the engine the
 picker chose, relays the answer and continues it on another engine when its engine drops it (migration.py). Envoy
 keeps the client's side: its limits, the Lua filter's usage count and the access log that settles the request.
-A request whose answer cannot be migrated (a stream of several choices, tools, a constrained output) still goes
-from Envoy straight to its engine.
+A non-streamed request, and a stream that cannot be continued (several choices, tools, a constrained output), still
+go from Envoy straight to their engine (handed_off says why).
 """
 
 from __future__ import annotations
@@ -63,10 +63,13 @@ class Handoffs:
         return len(self._parked)
 
 
-def handed_off(admission: Admission, streamed: bool) -> bool:
-    """Whether an admitted request goes through the app: its fleet migrates answers, and this answer can be migrated
-    (a whole answer is resent elsewhere; a stream is continued when its engine sends the token ids)."""
-    return admission.gateway.config.hands_off and (admission.continuable or not streamed)
+def handed_off(admission: Admission) -> bool:
+    """Whether an admitted request goes through the app: its fleet migrates answers, and it is a stream that can be
+    continued (its engine sends the token ids). A non-streamed answer stays on Envoy's direct path: its engine sends
+    it whole at its end, so an engine that dies before then resets before the answer began, which Envoy retries on
+    the picker's fallback (sent again whole); relaying it through the app would double the gateway's CPU per request
+    (docs/benchmarks.md) for the one case Envoy cannot retry, an answer an engine aborts with a 200."""
+    return admission.gateway.config.hands_off and admission.continuable
 
 
 async def serve_handoff(handoffs: Handoffs, request: Request, path: str) -> Response:

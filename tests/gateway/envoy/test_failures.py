@@ -1,9 +1,10 @@
 """Engine failures through Envoy (`--data-plane envoy`, issue 22 item 3): the picker names the chosen engine and
-a fallback (the Inference Extension's destination list), which is retried once, exactly what the Python proxy
-retries (gateway/engines/failure_class.py), and nothing the request caused: by Envoy for the answers the gateway
-does not migrate (with --migration-limit 0, or a stream of several choices), by the gateway's app for the ones it
-migrates (envoy/handoff.py), on the same fallback; each test runs both ways. A client that hangs up frees the
-engine. The failing engines are stand-ins (tests/support/stand_in_engine.py); the gateway and Envoy are real.
+a fallback (the Inference Extension's destination list); Envoy retries once, on the fallback, exactly what the
+Python proxy retries (gateway/engines/failure_class.py), and nothing the request caused. These are non-streamed
+requests, which Envoy carries straight to their engine whether migration is on or off (the streams it hands to the
+gateway's app are retried there, on the same fallback: tests/gateway/test_stream_migration.py). A client that hangs
+up frees the engine. The failing engines are stand-ins (tests/support/stand_in_engine.py); the gateway and Envoy are
+real.
 """
 
 from __future__ import annotations
@@ -33,14 +34,12 @@ from tests.support.polling import until
 from tests.support.stand_in_engine import StandInEngine, complete, error_body
 
 
-@pytest.fixture(params=["0", "3"], ids=["envoy-retries", "app-retries"])
-def fleet(request):
-    """Two stand-in engines behind Envoy; round-robin makes each the first choice in turn, two faults eject. With
-    migration off Envoy retries; with it on the gateway's app does, on the same fallback."""
+@pytest.fixture
+def fleet():
+    """Two stand-in engines behind Envoy; round-robin makes each the first choice in turn, two faults eject."""
     engines = [StandInEngine(), StandInEngine()]
     gateway, url = start_gateway(*(a for e in engines for a in ("--engine", e.url)), "--routing", "round-robin",
-                                 "--eject-after-failures", "2", "--data-plane", "envoy",
-                                 "--migration-limit", request.param, timeout=90.0)
+                                 "--eject-after-failures", "2", "--data-plane", "envoy", timeout=90.0)
     wait_until_routable(url, 2)
     yield url, engines
     stop_process(gateway)
