@@ -140,9 +140,10 @@ def test_deleting_an_engine_pod_under_load_loses_no_request(target, replacement_
         answers = [f.result() for f in futures + more]
     assert [a.status_code for a in answers] == [200] * len(answers), [a.text[:200] for a in answers]
     # every answer whole: ended by the model or its length (its text is the model's: greedy decoding in a batch that
-    # the deletion reshuffled may choose the end of text first, an empty answer); never `abort`: an answer the
-    # stopping pod aborted (vLLM answers it 200, finish_reason "abort") or cut off is sent again whole to the other
-    # pod by the gateway (request migration, on by default on every data plane)
+    # the deletion reshuffled may choose the end of text first, an empty answer); never `abort` (vLLM answers a
+    # request it drops as its pod stops 200, finish_reason "abort"): the pod leaves the gateway's engines during its
+    # preStop sleep, before its engine gets SIGTERM, and the engine finishes what it holds within its grace; an
+    # answer cut off is sent again whole (the Python plane also resends an aborted one)
     assert all(a.json()["choices"][0]["finish_reason"] in ("stop", "length")
                and isinstance(a.json()["choices"][0]["message"]["content"], str) for a in answers), \
         [a.text[:300] for a in answers]
