@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from kvfleet.engine.capacity_fit import DecodeStepFit, fit_line, full_batch_tokens_per_s
+from kvfleet.engine.llm_engine import MIN_MEASURED_PREFILL
 from kvfleet.fleet.metrics import DECODE_TOKENS_PER_SECOND_FULL_BATCH
 from kvfleet.operator.observe import scrape_pod
 
@@ -42,10 +43,12 @@ def test_a_real_engine_exports_the_rate_after_requests_of_several_batch_sizes(ti
     async def scenario() -> tuple:
         async with httpx.AsyncClient(timeout=60) as http:
             before = await scrape_pod(http, tiny_server)
-            # Three requests of different lengths: decode steps of batch 3, then 2, then 1. Each prompt fills a
-            # 16-token block, so its prefill is measured even when the three arrive in separate steps.
+            # Three requests of different lengths: decode steps of batch 3, then 2, then 1. Each prompt is longer
+            # than the shortest prefill the engine measures its rate on, so the rate is measured even when the
+            # three arrive in separate steps.
             answers = await asyncio.gather(*(http.post(f"{tiny_server}/v1/completions", json={
-                "prompt": [7] * 20, "max_tokens": n, "temperature": 0, "ignore_eos": True}) for n in (6, 12, 18)))
+                "prompt": [7 + k] * (MIN_MEASURED_PREFILL + 6), "max_tokens": n, "temperature": 0,
+                "ignore_eos": True}) for k, n in enumerate((6, 12, 18))))
             after = await scrape_pod(http, tiny_server)
             text = (await http.get(f"{tiny_server}/metrics")).text
         return before, answers, after, text
