@@ -87,7 +87,7 @@ class GatewayConfig:
 
     @property
     def hands_off(self) -> bool:
-        """Whether kvfleet's own Envoy (child or sidecar) hands each answer it can migrate to the gateway's app on
+        """Whether kvfleet's own Envoy (child or sidecar) hands each stream it can migrate to the gateway's app on
         loopback, which relays it from the engine and continues it elsewhere when the engine drops it
         (gateway/envoy/handoff.py): Envoy cannot splice a stream, and an engine's reset ends Envoy's stream to the
         client. Migration on, and an Envoy built from bootstrap.py."""

@@ -83,7 +83,7 @@ class EndpointPicker(ExternalProcessorServicer):
                     override_message_timeout=Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9))))
             await admission.wait()  # gRPC cancels this handler when Envoy resets the stream: its client left
             exclude = outside_subset(target.gateway.router.pool.urls(), subset_hint(first))
-            hop = can_hand_off and handed_off(admission)
+            hop = handed_off(admission)
             pick = admission.dispatch(exclude, FALLBACKS)  # the fallback: Envoy's retry, or the app's
             key = self.handoffs.park(Handoff(admission, pick, request_id)) if hop else None
             try:

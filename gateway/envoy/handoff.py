@@ -64,12 +64,13 @@ class Handoffs:
 
 
 def handed_off(admission: Admission) -> bool:
-    """Whether an admitted request goes through the app: its fleet migrates answers, and it is a stream that can be
-    continued (its engine sends the token ids). A non-streamed answer stays on Envoy's direct path: its engine sends
-    it whole at its end, so an engine that dies before then resets before the answer began, which Envoy retries on
-    the picker's fallback (sent again whole); relaying it through the app would double the gateway's CPU per request
-    (docs/benchmarks.md) for the one case Envoy cannot retry, an answer an engine aborts with a 200."""
-    return admission.gateway.config.hands_off and admission.continuable
+    """Whether an admitted request goes through the app: admitted as continuable (its fleet hands off, and it is a
+    stream its engine sends the token ids in: director.admit). A non-streamed answer stays on Envoy's direct path:
+    its engine sends it whole at its end, so an engine that dies before then resets before the answer began, which
+    Envoy retries on the picker's fallback (sent again whole); relaying it through the app would double the
+    gateway's CPU per request (docs/benchmarks.md) for the one case Envoy cannot retry, an answer an engine aborts
+    with a 200."""
+    return admission.continuable
 
 
 async def serve_handoff(handoffs: Handoffs, request: Request, path: str) -> Response:

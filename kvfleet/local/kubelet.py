@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfleet.fleet.ports import free_port
@@ -73,15 +73,20 @@ class Stopping:
 
     pod: PodProcess
     since: float
-    termed: bool = False
+    sent: set[signal.Signals] = field(default_factory=set)
 
     def due(self, now: float) -> signal.Signals | None:
-        """The signal to send now, if any (each once)."""
+        """The signal to send now, if any: each once (a SIGKILLed process may take a sync or two to be reaped)."""
         if now - self.since >= self.pod.grace_s:
-            return signal.SIGKILL
-        if not self.termed and now - self.since >= min(self.pod.prestop_s, self.pod.grace_s):
-            return signal.SIGTERM
-        return None
+            due = signal.SIGKILL
+        elif now - self.since >= min(self.pod.prestop_s, self.pod.grace_s):
+            due = signal.SIGTERM
+        else:
+            return None
+        if due in self.sent:
+            return None
+        self.sent.add(due)
+        return due
 
 
 def pods_to_stop(pods: list[PodProcess], desired: int) -> list[PodProcess]:
@@ -261,7 +266,6 @@ class LocalKubelet:
             elif (sig := leaving.due(now)) is not None:
                 log.info("local kubelet: %s gets %s", name, sig.name)
                 leaving.pod.proc.send_signal(sig)
-                leaving.termed = True
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop syncing, then every engine (they drain), as a node shutting down."""

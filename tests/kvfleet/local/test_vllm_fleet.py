@@ -24,7 +24,8 @@ from kvfleet.gateway.routing.pick import SaturationPolicy
 from kvfleet.operator.fleet_spec import parse_fleet
 from tests.conftest import start_engine_server, start_gateway, stop_process
 from tests.support.commands import capacity_command
-from tests.support.engines import saturated
+from tests.support.engines import hold_stream, saturated, sees_saturated
+from tests.support.polling import until
 from tests.support.processes import alive, group_members
 from tests.support.vllm_engines import BLOCK_SIZE, MAX_NUM_SEQS, SERVED, START_TIMEOUT_S, metric
 
@@ -130,25 +131,41 @@ def wait_until(check, timeout_s: float, failure: str) -> None:
 
 
 def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_in_vllms(vllm) -> None:
-    """More requests than the two engines' batches and waiting lists hold: the gateway reads vLLM's running and
-    waiting counts, and holds the rest in its fleet queue, releasing each as a slot frees; every request is answered."""
+    """Both engines full (their batches and as many waiting as the gateway allows): the gateway reads vLLM's running
+    and waiting counts and its own dispatches, and holds further requests in its fleet queue, not in vLLM's waiting
+    lists; as the slots free, each is released and answered. Long streams hold the slots until the test lets them
+    go, so nothing here depends on how fast the machine sends a burst or vLLM decodes."""
     import concurrent.futures
 
-    per_engine = MAX_NUM_SEQS + SaturationPolicy().max_queue  # what one engine takes before it counts as saturated
-    # twice what the engines take: on a busy machine the burst's senders start over a second or more, and answers
-    # that end meanwhile free slots, so fewer than total - 2 * per_engine may wait; an engine's worth still must
-    total = 4 * per_engine
-    # 32 tokens: each answer holds its slot for seconds, longer than the burst takes to send
+    max_waiting = SaturationPolicy().max_queue
+    per_engine = MAX_NUM_SEQS + max_waiting  # what one engine takes before the gateway counts it saturated
+    stop = threading.Event()
+    holders = [threading.Thread(target=hold_stream, args=(vllm.url, SERVED, stop, 1800)) for _ in range(2 * per_engine)]
     body = {"model": SERVED, "messages": [{"role": "user", "content": "Write a long story about a fleet."}],
-            "max_tokens": 32, "ignore_eos": True}
+            "max_tokens": 4, "ignore_eos": True}
     queued_before = metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count")
-    with concurrent.futures.ThreadPoolExecutor(total) as pool:
-        # they may wait longer than the gateway's default 30 s where vLLM is slow (an AVX2-only CPU emulates its
-        # bfloat16): the client says how long it will wait, as any client may
-        answers = list(pool.map(lambda _: httpx.post(f"{vllm.url}/v1/chat/completions", json=body, timeout=300,
-                                                     headers={headers.MAX_QUEUE_MS: "240000"}), range(total)))
-    assert [a.status_code for a in answers] == [200] * total, [a.text[:200] for a in answers if a.status_code != 200]
-    assert all(a.json()["usage"]["completion_tokens"] == 32 for a in answers)
+    with concurrent.futures.ThreadPoolExecutor(per_engine) as pool:
+        try:
+            for t in holders:
+                t.start()
+            until(lambda: sees_saturated(vllm.url), "the gateway never counted both vLLM engines full", timeout=120)
+            held = httpx.get(f"{vllm.url}/ready", timeout=10).json()["queued"]  # holders beyond the engines' room
+            # the client says how long it will wait: where vLLM is slow (an AVX2-only CPU emulates its bfloat16) the
+            # holders may take longer to let go than the gateway's default 30 s
+            answers = [pool.submit(httpx.post, f"{vllm.url}/v1/chat/completions", json=body, timeout=300,
+                                   headers={headers.MAX_QUEUE_MS: "240000"}) for _ in range(per_engine)]
+            until(lambda: httpx.get(f"{vllm.url}/ready", timeout=10).json()["queued"] == held + per_engine,
+                  "the gateway did not queue the requests the full engines had no room for", timeout=120)
+            waiting = [vllm.engine_metric(k, "vllm:num_requests_waiting") for k in range(len(vllm.engines))]
+            assert all(w <= max_waiting for w in waiting), f"vLLM's own waiting lists held {waiting}"
+            assert not any(a.done() for a in answers)
+        finally:
+            stop.set()  # the holders leave: vLLM aborts them and frees their slots
+            for t in holders:
+                t.join()
+        results = [a.result() for a in answers]
+    assert [a.status_code for a in results] == [200] * per_engine, [a.text[:200] for a in results]
+    assert all(a.json()["usage"]["completion_tokens"] == 4 for a in results)
     assert metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count") - queued_before >= per_engine
 
 
