@@ -1,5 +1,6 @@
 """The shared-prefix benchmark's client side: send a planned chat workload open-loop (streamed, one record per
-request), and read the engines' own prefix-cache and request counters before and after."""
+request) or hold its conversations closed-loop, and read the engines' own prefix-cache and request counters before
+and after."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import httpx
 
-from bench.prefix_workload import PlannedChat
+from bench.prefix_workload import PlannedChat, PlannedConversation
 from kvfleet.fleet import metrics as names
 from kvfleet.fleet.headers import ENGINE as ENGINE_HEADER
 from kvfleet.loadgen import SSE_DONE, RequestRecord, sse_data
@@ -46,8 +47,10 @@ def counter_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[st
     return {url: {k: after[url][k] - before[url].get(k, 0.0) for k in COUNTERS} for url in after}
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord, started: float) -> None:
-    """POST one streamed chat and fill `record`: TTFT at the first content chunk, output tokens, errors."""
+async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord, started: float,
+                      text: list[str] | None = None) -> None:
+    """POST one streamed chat and fill `record`: TTFT at the first content chunk, output tokens, errors; the
+    answer's content into `text` when given."""
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         record.status = response.status_code
         record.engine = response.headers.get(ENGINE_HEADER)
@@ -68,8 +71,10 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, record: R
             if event.get("error"):
                 record.error = str(event["error"])[:500]
             choices = event.get("choices") or [{}]
-            if (choices[0].get("delta") or {}).get("content"):
+            if content := (choices[0].get("delta") or {}).get("content"):
                 chunks += 1
+                if text is not None:
+                    text.append(content)
                 if record.ttft_s is None:
                     record.ttft_s = time.perf_counter() - started
             if event.get("usage"):
@@ -80,14 +85,14 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, record: R
 
 
 async def send_one(client: httpx.AsyncClient, url: str, model: str, req: PlannedChat, max_tokens: int,
-                   timeout: float, run_start: float) -> RequestRecord:
+                   timeout: float, run_start: float, text: list[str] | None = None) -> RequestRecord:
     started = time.perf_counter()
     record = RequestRecord(req.index, "standard", started - run_start)
     body = {"model": model, "messages": req.messages, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     try:
         async with asyncio.timeout(timeout):
-            await stream_chat(client, url, body, record, started)
+            await stream_chat(client, url, body, record, started, text)
     except TimeoutError:
         record.error = f"timed out after {timeout:g} s"
     except (httpx.HTTPError, ValueError) as exc:
@@ -118,6 +123,42 @@ async def run_plan(url: str | list[str], model: str, plan: list[PlannedChat], en
         records = await asyncio.gather(*tasks)
         after = await read_counters(client, engine_urls)
     return sorted(records, key=lambda r: r.index), counter_deltas(before, after)
+
+
+async def run_conversations(url: str | list[str], model: str, conversations: list[PlannedConversation],
+                            engine_urls: list[str], max_tokens: int,
+                            timeout: float) -> tuple[list[RequestRecord], dict[str, dict], list[PlannedChat]]:
+    """Hold each conversation from its start: a turn is sent `think_s` after the previous answer ended, with the whole
+    conversation so far (the model's own answers included). The records, the engines' counter deltas over the run,
+    and each turn as sent (index = record index; first_of_key = a conversation's first turn)."""
+    urls = [url] if isinstance(url, str) else url
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    sent: list[PlannedChat] = []
+    records: list[RequestRecord] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+        before = await read_counters(client, engine_urls)
+        run_start = time.perf_counter()
+
+        async def converse(conversation: PlannedConversation) -> None:
+            await asyncio.sleep(max(0.0, run_start + conversation.start_at - time.perf_counter()))
+            history = [{"role": "system", "content": conversation.system}]
+            for turn, (question, think_s) in enumerate(zip(conversation.questions, conversation.think_s, strict=True)):
+                history = [*history, {"role": "user", "content": question}]
+                turn_sent = PlannedChat(len(sent), time.perf_counter() - run_start, history, conversation.key,
+                                        turn == 0)
+                sent.append(turn_sent)
+                answer: list[str] = []
+                record = await send_one(client, urls[turn_sent.index % len(urls)], model, turn_sent, max_tokens,
+                                        timeout, run_start, answer)
+                records.append(record)
+                if not record.ok:
+                    return  # a user whose turn failed does not go on with that conversation
+                history = [*history, {"role": "assistant", "content": "".join(answer)}]
+                await asyncio.sleep(think_s)
+
+        await asyncio.gather(*(converse(c) for c in conversations))
+        after = await read_counters(client, engine_urls)
+    return sorted(records, key=lambda r: r.index), counter_deltas(before, after), sent
 
 
 async def closed_loop(engine_urls: list[str], model: str, plan: list[PlannedChat], per_engine: int,

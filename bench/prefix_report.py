@@ -21,9 +21,10 @@ KNEE_TARGET = 1.5  # throughput at the knee ÷ least-request's, at least
 
 
 def summarize_arm(records: list[RequestRecord], deltas: dict[str, dict], plan: list[PlannedChat], warmup: int,
-                  engine_names: dict[str, str]) -> dict:
-    """Figures over the measured requests (index >= warmup); counters over the same stretch."""
-    measured = [r for r in records if r.index >= warmup]
+                  engine_names: dict[str, str], skip_firsts: bool = False) -> dict:
+    """Figures over the measured requests (index >= warmup; with skip_firsts, not the first of their tenant or
+    conversation: a conversation's later turns); counters over the same stretch."""
+    measured = [r for r in records if r.index >= warmup and not (skip_firsts and plan[r.index].first_of_key)]
     ok = [r for r in measured if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2es = [r.e2e_s for r in ok if r.e2e_s is not None]

@@ -7,8 +7,15 @@ side by side in one run, in front of the same real SmolLM2 engines.
 
 Workload (bench/prefix_workload.py, seeded): `tenants` (40 tenants with distinct ~400-token system prompts, Zipf
 popularity s=1.1, short questions, 16 streamed output tokens) or `chats` (multi-turn conversations resending their
-history); Poisson arrivals. Each engine's KV cache holds ~4.4k tokens (--kv-cache-memory 194MiB; the engine's own
-count is printed), far less than the tenants' prefixes together; one torch thread per engine.
+history); Poisson arrivals. `conversations`: closed-loop multi-turn chat (4-8 turns on a few apps' shared system
+prompts, --think-s between an answer and the next turn, the model's own answers resent); its figures are over every
+turn but each conversation's first:
+
+    python -m bench.prefix_routing --runtime vllm --workload conversations --rounds 2 \
+        --arms prefix-affinity,smg,least-request
+
+Each engine's KV cache holds ~4.4k tokens (--kv-cache-memory 194MiB; the engine's own count is printed), far less
+than the tenants' prefixes together; one torch thread per engine.
 Each arm gets fresh engines: they are restarted (~10 s) so every arm starts from empty prefix caches and zeroed
 counters, with nothing to trust about a flush. Its first --warmup requests (default: one per tenant, in shuffled
 order) are sent but left out of the figures, so the measured requests hold no tenant's first, unavoidable miss;
@@ -41,9 +48,9 @@ from pathlib import Path
 
 from bench import peers
 from bench.fleet_procs import MODEL_NAME, BenchFleet, cpu_seconds, gateway_queue_waits, queue_waits_between
-from bench.prefix_client import closed_loop, run_plan
+from bench.prefix_client import closed_loop, run_conversations, run_plan
 from bench.prefix_report import chart, format_table, knee_throughput, pooled, ratios, summarize_arm
-from bench.prefix_workload import WORKLOADS, first_of_key_share, plan
+from bench.prefix_workload import WORKLOADS, first_of_key_share, plan, plan_conversations
 from kvfleet.fleet.ports import free_port
 from kvfleet.local.supervisor import Child, ChildExited, NotReady
 from kvfleet.local.supervisor import spawn as spawn_child
@@ -102,6 +109,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--tenants", type=int, default=40, help="tenants (or open conversations for chats)")
     p.add_argument("--zipf", type=float, default=1.1, help="tenant popularity: Zipf exponent")
+    p.add_argument("--apps", type=int, default=4, help="conversations: the apps whose system prompts they share")
+    p.add_argument("--think-s", type=float, default=3.0,
+                   help="conversations: mean think time between an answer and the next turn (exponential)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, help="arrivals per second (skips the capacity measurement)")
     load.add_argument("--load", type=float, help="arrival rate as a fraction of the measured capacity")
@@ -205,8 +215,9 @@ def arm_fleet(args: argparse.Namespace, arm: Arm, shared: BenchFleet | None):
 
 def run_arm(name: str, args: argparse.Namespace, rate: float, shared: BenchFleet | None = None) -> dict:
     """The arm's router in front of its engines, the workload through it; its figures, or why it did not run."""
-    requests = plan(args.workload, args.warmup + max(1, round(rate * args.duration)), rate, args.seed, args.tenants,
-                    args.zipf)
+    conversations = args.workload == "conversations"
+    requests = [] if conversations else plan(args.workload, args.warmup + max(1, round(rate * args.duration)), rate,
+                                             args.seed, args.tenants, args.zipf)
     with arm_fleet(args, ARMS[name], shared) as fleet:
         names = {e.url: f"engine-{i}" for i, e in enumerate(fleet.engines)}
         try:
@@ -217,15 +228,21 @@ def run_arm(name: str, args: argparse.Namespace, rate: float, shared: BenchFleet
         try:
             started = time.monotonic()
             cpu_before, waits_before = cpu_by_role(fleet, child), queue_waits(url)
-            records, deltas = asyncio.run(run_plan(url, MODEL_NAME, requests, list(names), args.warmup,
-                                                   args.max_tokens, args.timeout))
+            if conversations:  # closed-loop: the turns as sent come back with their records
+                records, deltas, requests = asyncio.run(run_conversations(
+                    url, MODEL_NAME, conversation_plan(args, rate), list(names), args.max_tokens, args.timeout))
+            else:
+                records, deltas = asyncio.run(run_plan(url, MODEL_NAME, requests, list(names), args.warmup,
+                                                       args.max_tokens, args.timeout))
             cpu = {role: s - cpu_before[role] for role, s in cpu_by_role(fleet, child).items()}
             waits = queue_waits_between(waits_before, queue_waits(url))
         finally:
             if child is not None:
                 child.stop()
             fleet.stop_gateway()
-        summary = summarize_arm(records, deltas, requests, args.warmup, names)
+        # conversations: every turn but each conversation's first (the figure multi-turn serving is judged by)
+        summary = summarize_arm(records, deltas, requests, 0 if conversations else args.warmup, names,
+                                skip_firsts=conversations)
         # Where the time goes: the router's own CPU (on a 2-core machine it is taken from the engines) and the
         # requests it held in a queue of its own (warm-up included in both).
         summary["cpu_s"] = {role: round(s, 2) for role, s in cpu.items()}
@@ -241,9 +258,17 @@ def run_arm(name: str, args: argparse.Namespace, rate: float, shared: BenchFleet
         return {"arm": asdict(ARMS[name]), "summary": summary, "records": [asdict(r) for r in records]}
 
 
+def conversation_plan(args: argparse.Namespace, rate: float) -> list:
+    """The conversations of an arm: turns arriving at about `rate` per second for --duration seconds."""
+    return plan_conversations(max(1, round(rate * args.duration)), rate, args.seed, args.apps, args.think_s,
+                              zipf_s=args.zipf)
+
+
 def measure_capacity(args: argparse.Namespace, shared: BenchFleet | None = None) -> dict:
-    """Completed req/s with every engine kept full, the workload sent straight to them (no router, no affinity)."""
-    requests = plan(args.workload, 5_000, 1.0, args.seed + 1, args.tenants, args.zipf)
+    """Completed req/s with every engine kept full, the workload sent straight to them (no router, no affinity);
+    conversations are measured on `chats`, the open-loop multi-turn plan of the same shape."""
+    workload = "chats" if args.workload == "conversations" else args.workload
+    requests = plan(workload, 5_000, 1.0, args.seed + 1, args.tenants, args.zipf)
     with new_fleet(args) if shared is None else nullcontext(shared) as fleet:
         print(engine_capacity_line(fleet.engines[0]), flush=True)
         # The first answers wait for a whole round of prefills: 10 s before counting.
@@ -280,10 +305,16 @@ def run(args: argparse.Namespace, shared: BenchFleet | None) -> None:
     path = args.out / f"prefix_routing_{args.workload}_{tag}.json"
     args.out.mkdir(parents=True, exist_ok=True)
     for key, rate in rates.items():
-        sample = plan(args.workload, args.warmup + max(1, round(rate * args.duration)), rate, args.seed,
-                      args.tenants, args.zipf)
-        print(f"load {key}: {rate:.2f} req/s, {len(sample)} requests per arm ({args.warmup} warm-up), "
-              f"{first_of_key_share(sample[args.warmup:]):.1%} of the measured ones a tenant's first", flush=True)
+        if args.workload == "conversations":
+            talks = conversation_plan(args, rate)
+            print(f"load {key}: {rate:.2f} turns/s offered, {len(talks)} conversations of "
+                  f"{sum(len(c.questions) for c in talks)} turns per arm, {args.think_s:g} s mean think time; "
+                  "figures over every turn but the first", flush=True)
+        else:
+            sample = plan(args.workload, args.warmup + max(1, round(rate * args.duration)), rate, args.seed,
+                          args.tenants, args.zipf)
+            print(f"load {key}: {rate:.2f} req/s, {len(sample)} requests per arm ({args.warmup} warm-up), "
+                  f"{first_of_key_share(sample[args.warmup:]):.1%} of the measured ones a tenant's first", flush=True)
         for r in range(args.rounds):
             order = args.arms if r % 2 == 0 else args.arms[::-1]
             done = {name: run_arm(name, args, rate, shared) for name in order}

@@ -4,6 +4,12 @@
 each request is [system, a short user question]. `chats`: multi-turn conversations that resend their history, each
 turn adding the previous answer (synthetic, so the plan does not depend on what the model says) and a new question.
 Arrivals are Poisson at `rate` requests per second.
+
+`conversations` (plan_conversations) is closed-loop per conversation, as guidellm's and aiperf's multi-turn
+scenarios: conversations of 4-8 turns start as a Poisson process, each on one of a few apps' shared system prompts
+(Zipf-popular); each turn resends the whole conversation with the model's own earlier answers, and is sent a think
+time (exponential) after the previous answer ended. Only the questions, the think times and the starts are planned;
+the answers come from the model at run time (bench/prefix_client.py run_conversations).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass
 
 from kvfleet.loadgen import WORDS, arrival_times
 
-WORKLOADS = ("tenants", "chats")
+WORKLOADS = ("tenants", "chats", "conversations")
 SYLLABLES = ("ka", "lo", "mi", "ra", "ven", "tor", "sa", "bel", "dun", "ex", "qua", "zi", "pro", "nor", "vel", "ari",
              "cor", "fen", "gal", "hul", "iso", "jun", "kip", "lum", "mor", "nex", "ost", "pax", "rin", "sul")
 TRADES = ("logistics", "insurance", "dental care", "bookkeeping", "travel", "gardening", "legal aid", "pet care",
@@ -123,14 +129,50 @@ def plan_chats(num_requests: int, rate: float, seed: int = 0, conversations: int
     return plan
 
 
+@dataclass(frozen=True)
+class PlannedConversation:
+    """One conversation of the closed-loop multi-turn workload: when it starts, its app's system prompt, its
+    questions in order, and the think time after each answer before the next question."""
+
+    key: str
+    start_at: float  # seconds from the start of the run
+    system: str
+    questions: tuple[str, ...]
+    think_s: tuple[float, ...]
+
+
+TURNS = (4, 8)  # turns per conversation, uniform in this range (inclusive)
+
+
+def plan_conversations(num_requests: int, rate: float, seed: int = 0, apps: int = 4, think_mean_s: float = 3.0,
+                       system_words: int = 300, zipf_s: float = 1.1) -> list[PlannedConversation]:
+    """Conversations of about `num_requests` turns in all, starting at `rate` / (mean turns) per second so that
+    turns arrive at about `rate` per second while answers are quick; each on one of `apps` system prompts."""
+    rng = random.Random(seed)
+    systems = system_prompts(apps, system_words, rng)
+    mean_turns = sum(TURNS) / 2
+    count = max(1, round(num_requests / mean_turns))
+    weights = zipf_weights(apps, zipf_s)
+    conversations = []
+    for i, at in enumerate(arrival_times(count, rate / mean_turns, rng)):
+        turns = rng.randint(*TURNS)
+        app = rng.choices(range(apps), weights=weights)[0]
+        conversations.append(PlannedConversation(
+            f"conversation-{i}", at, systems[app], tuple(question(rng) for _ in range(turns)),
+            tuple(rng.expovariate(1.0 / think_mean_s) if think_mean_s > 0 else 0.0 for _ in range(turns))))
+    return conversations
+
+
 def plan(workload: str, num_requests: int, rate: float, seed: int = 0, tenants: int = 40,
          zipf_s: float = 1.1) -> list[PlannedChat]:
-    """The named workload's requests; `tenants` is the number of tenants, or of open conversations for chats."""
+    """The named open-loop workload's requests; `tenants` is the number of tenants, or of open conversations for
+    chats (`conversations` is closed-loop: plan_conversations)."""
     if workload == "tenants":
         return plan_tenants(num_requests, rate, seed, tenants, zipf_s=zipf_s)
     if workload == "chats":
         return plan_chats(num_requests, rate, seed, conversations=tenants)
-    raise ValueError(f"unknown workload {workload!r}; use one of {', '.join(WORKLOADS)}")
+    raise ValueError(f"unknown open-loop workload {workload!r}; use tenants or chats "
+                     "(conversations is closed-loop: plan_conversations)")
 
 
 def first_of_key_share(requests: list[PlannedChat]) -> float:

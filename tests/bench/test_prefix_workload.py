@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from bench.prefix_workload import first_of_key_share, plan, plan_chats, plan_tenants
+from bench.prefix_workload import TURNS, first_of_key_share, plan, plan_chats, plan_conversations, plan_tenants
 
 
 def test_tenants_plan_is_a_function_of_its_seed() -> None:
@@ -58,5 +58,25 @@ def test_chat_turns_resend_their_history() -> None:
 
 
 def test_unknown_workload_is_refused() -> None:
-    with pytest.raises(ValueError, match="unknown workload"):
+    with pytest.raises(ValueError, match="unknown open-loop workload"):
         plan("documents", 10, 1.0)
+    with pytest.raises(ValueError, match="closed-loop"):  # its turns depend on the model's answers
+        plan("conversations", 10, 1.0)
+
+
+def test_conversations_are_4_to_8_turns_on_a_few_apps_prompts_with_think_times() -> None:
+    talks = plan_conversations(3000, 2.0, seed=5, apps=4, think_mean_s=3.0)
+    assert talks == plan_conversations(3000, 2.0, seed=5, apps=4, think_mean_s=3.0)
+    assert talks != plan_conversations(3000, 2.0, seed=6, apps=4, think_mean_s=3.0)
+    assert sum(len(c.questions) for c in talks) == pytest.approx(3000, rel=0.1)
+    assert all(TURNS[0] <= len(c.questions) == len(c.think_s) <= TURNS[1] for c in talks)
+    apps = Counter(c.system for c in talks).most_common()
+    assert len(apps) == 4 and apps[0][1] > apps[-1][1]  # shared system prompts, Zipf-popular
+    assert all(290 <= len(system.split()) <= 400 for system, _ in apps)
+    thinks = [t for c in talks for t in c.think_s]
+    assert sum(thinks) / len(thinks) == pytest.approx(3.0, rel=0.1)
+    starts = [c.start_at for c in talks]
+    assert starts == sorted(starts)
+    # conversations start at rate / mean turns, so their turns arrive at about `rate` while answers are quick
+    assert len(talks) / starts[-1] == pytest.approx(2.0 / (sum(TURNS) / 2), rel=0.15)
+    assert len({c.key for c in talks}) == len(talks)

@@ -302,7 +302,9 @@ def test_an_engine_that_stops_answering_without_closing_connections(engines, mod
             hung_at = time.monotonic()
             turns.turn_to(proxy.url)  # round-robin ignores stale metrics: the next request goes to the hung engine
             sent_after = pool.submit(finished, complete, url, model, "sent after", 4, bound + 2)
-            engine, ending, ended = in_flight.result(timeout=60)
+            # the rest of a 1000-token answer, however slow the machine: the client's own read timeout (bound + 2 s
+            # between two chunks) is what ends a stream that hangs
+            engine, ending, ended = in_flight.result(timeout=600)
             (answer, _), answered_at = sent_after.result(timeout=60)
         answered_in = answered_at - hung_at
         healthy = httpx.get(f"{url}/ready").json()["healthy"]

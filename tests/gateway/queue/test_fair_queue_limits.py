@@ -73,7 +73,9 @@ def test_a_request_that_cannot_be_served_by_its_deadline_is_answered_at_once_wit
     predicted = float(re.search(r"about ([0-9.]+) s of queued work", error["message"]).group(1))
     assert 0.4 * drained_in <= predicted <= 2.5 * drained_in, (predicted, drained_in)
     retry_after = int(late.headers["retry-after"])
-    assert 1 <= retry_after <= drained_in + 2  # by then the work ahead of it had drained, as it said
+    # Retry-After is that same prediction (less half the 1 s it could have waited, in whole seconds), so it is as
+    # honest as the prediction judged above; an absolute slack over the real drain would judge the machine's speed
+    assert retry_after >= 1 and predicted - 0.6 <= retry_after <= predicted + 0.6, (retry_after, predicted)
 
 
 def test_a_tenant_at_its_queued_cap_gets_429_while_other_tenants_still_queue(engine, model, redis_server) -> None:
