@@ -327,10 +327,12 @@ def run(args: argparse.Namespace, shared: BenchFleet | None) -> None:
 
 def build_report(args: argparse.Namespace, capacity: dict | None, rates: dict[str, float], runs: dict[str, dict],
                  wall_s: float) -> dict:
-    setup = (f"{args.workload}: {args.tenants} tenants, Zipf {args.zipf}, {args.max_tokens} output tokens; "
+    who = (f"{args.apps} apps' system prompts, 4-8 turns, {args.think_s:g} s mean think time"
+           if args.workload == "conversations" else f"{args.tenants} tenants")
+    setup = (f"{args.workload}: {who}, Zipf {args.zipf}, {args.max_tokens} output tokens; "
              f"{args.engines} SmolLM2 engines, KV {args.kv_cache_memory} each, max-num-seqs {args.max_num_seqs}"
              if args.runtime == "kvfleet" else
-             f"{args.workload}: {args.tenants} tenants, Zipf {args.zipf}, {args.max_tokens} output tokens; "
+             f"{args.workload}: {who}, Zipf {args.zipf}, {args.max_tokens} output tokens; "
              f"{args.engines} vLLM {args.vllm_dtype} engines (one core each), {args.vllm_kv_blocks} KV blocks of 128 "
              f"tokens each, max-num-seqs {args.max_num_seqs}")
     return {
