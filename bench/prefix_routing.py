@@ -50,7 +50,7 @@ from bench import peers
 from bench.fleet_procs import MODEL_NAME, BenchFleet, cpu_seconds, gateway_queue_waits, queue_waits_between
 from bench.prefix_client import closed_loop, run_conversations, run_plan
 from bench.prefix_report import chart, format_table, knee_throughput, pooled, ratios, summarize_arm
-from bench.prefix_workload import WORKLOADS, first_of_key_share, plan, plan_conversations
+from bench.prefix_workload import TURNS, WORKLOADS, first_of_key_share, plan, plan_conversations
 from kvfleet.fleet.ports import free_port
 from kvfleet.local.supervisor import Child, ChildExited, NotReady
 from kvfleet.local.supervisor import spawn as spawn_child
@@ -136,6 +136,10 @@ def parse_args() -> argparse.Namespace:
         args.warmup = args.tenants
     if args.rate is not None and not args.rate > 0:
         p.error(f"--rate must be a positive number of requests per second, not {args.rate}")
+    if args.apps < 1:
+        p.error(f"--apps must be at least 1 (the apps whose system prompts conversations share), not {args.apps}")
+    if not args.think_s >= 0:
+        p.error(f"--think-s must be 0 or more seconds, not {args.think_s}")
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
@@ -327,7 +331,7 @@ def run(args: argparse.Namespace, shared: BenchFleet | None) -> None:
 
 def build_report(args: argparse.Namespace, capacity: dict | None, rates: dict[str, float], runs: dict[str, dict],
                  wall_s: float) -> dict:
-    who = (f"{args.apps} apps' system prompts, 4-8 turns, {args.think_s:g} s mean think time"
+    who = (f"{args.apps} apps' system prompts, {TURNS[0]}-{TURNS[1]} turns, {args.think_s:g} s mean think time"
            if args.workload == "conversations" else f"{args.tenants} tenants")
     setup = (f"{args.workload}: {who}, Zipf {args.zipf}, {args.max_tokens} output tokens; "
              f"{args.engines} SmolLM2 engines, KV {args.kv_cache_memory} each, max-num-seqs {args.max_num_seqs}"

@@ -80,3 +80,14 @@ def test_conversations_are_4_to_8_turns_on_a_few_apps_prompts_with_think_times()
     # conversations start at rate / mean turns, so their turns arrive at about `rate` while answers are quick
     assert len(talks) / starts[-1] == pytest.approx(2.0 / (sum(TURNS) / 2), rel=0.15)
     assert len({c.key for c in talks}) == len(talks)
+
+
+@pytest.mark.parametrize("flags, says", [(["--apps", "0"], "--apps must be at least 1"),
+                                         (["--think-s", "-1"], "--think-s must be 0 or more"),
+                                         (["--think-s", "nan"], "--think-s must be 0 or more")])
+def test_the_benchmark_refuses_a_conversation_setting_it_cannot_plan(flags, says, monkeypatch, capsys) -> None:
+    from bench.prefix_routing import parse_args
+    monkeypatch.setattr("sys.argv", ["prefix_routing", "--workload", "conversations", *flags])
+    with pytest.raises(SystemExit) as refused:
+        parse_args()
+    assert refused.value.code == 2 and says in capsys.readouterr().err
