@@ -138,7 +138,8 @@ def format_table(report: dict) -> str:
     for load, arms in report["runs"].items():
         lines.append(f"\nload {load} ({report['rates'][load.split(' round ')[0]]:.2f} req/s offered):")
         lines.append(f"{'arm':<22} {'ok/n':>8} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'p99':>7} {'e2e p90':>8} "
-                     f"{'req/s':>6} {'hit%':>5} {'firsts':>6}  engines: share (hit%)  | p90/LR mean/LR mean/sglang")
+                     f"{'req/s':>6} {'hit%':>5} {'firsts':>6} {'CPU ms/r':>8}  engines: share (hit%)  | "
+                     "p90/LR mean/LR mean/sglang")
         table_ratios = report["ratios"][load]
         for name, arm in arms.items():
             s = arm.get("summary")
@@ -152,7 +153,8 @@ def format_table(report: dict) -> str:
                 f"{name:<22} {s['ok']:>4}/{s['count']:<3} {_f(t['mean']):>9} {_f(t['p50']):>7} {_f(t['p90']):>7} "
                 f"{_f(t['p99']):>7} {_f(s['e2e_s']['p90']):>8} {_f(s['completed_per_s'], '.2f'):>6} "
                 f"{_f(s['fleet_hit_rate'] and 100 * s['fleet_hit_rate'], '.1f'):>5} "
-                f"{_f(s['first_of_key_share'] and 100 * s['first_of_key_share'], '.1f'):>5}%  {share:<21} | "
+                f"{_f(s['first_of_key_share'] and 100 * s['first_of_key_share'], '.1f'):>5}% "
+                f"{_f(s.get('router_cpu_ms_per_request'), '.1f'):>8}  {share:<21} | "
                 f"{_f(r.get('p90_ttft_vs_least_request'), '.2f')} {_f(r.get('mean_ttft_vs_least_request'), '.2f')} "
                 f"{_f(r.get('mean_ttft_vs_sglang_router'), '.2f')}")
             if s["errors"]:

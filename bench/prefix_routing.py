@@ -123,6 +123,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds a request may take")
     p.add_argument("--redis", action="store_true", help="kvfleet gateways queue in Redis (default: in process)")
+    p.add_argument("--idle-s", type=float, default=10.0,
+                   help="seconds each router runs with no requests first, its idle CPU measured (0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1,
                    help="run the arms this many times, in alternating order, and pool them (a noisy machine)")
@@ -179,6 +181,15 @@ def cpu_by_role(fleet: BenchFleet, peer: Child | None) -> dict[str, float]:
             "engines": sum(cpu_seconds(e.pid) for e in fleet.engines)}
 
 
+def idle_router_cpu(fleet: BenchFleet, peer: Child | None, seconds: float) -> float:
+    """The router's CPU milliseconds per second over `seconds` with no request in flight (0: not measured)."""
+    if seconds <= 0:
+        return 0.0
+    before, started = cpu_by_role(fleet, peer)["router"], time.monotonic()
+    time.sleep(seconds)
+    return 1000 * (cpu_by_role(fleet, peer)["router"] - before) / (time.monotonic() - started)
+
+
 def queue_waits(url: str | list[str]) -> dict[str, dict]:
     """The kvfleet gateways' fleet-queue counts per class, summed over replicas ({} for a peer)."""
     out: dict[str, dict] = {}
@@ -230,6 +241,7 @@ def run_arm(name: str, args: argparse.Namespace, rate: float, shared: BenchFleet
             print(f"{name}: did not start: {str(exc)[:300]}", flush=True)
             return {"arm": asdict(ARMS[name]), "error": str(exc)[-2000:]}
         try:
+            idle_cpu_ms_per_s = idle_router_cpu(fleet, child, args.idle_s)
             started = time.monotonic()
             cpu_before, waits_before = cpu_by_role(fleet, child), queue_waits(url)
             if conversations:  # closed-loop: the turns as sent come back with their records
@@ -239,6 +251,7 @@ def run_arm(name: str, args: argparse.Namespace, rate: float, shared: BenchFleet
                 records, deltas = asyncio.run(run_plan(url, MODEL_NAME, requests, list(names), args.warmup,
                                                        args.max_tokens, args.timeout))
             cpu = {role: s - cpu_before[role] for role, s in cpu_by_role(fleet, child).items()}
+            busy_s = time.monotonic() - started
             waits = queue_waits_between(waits_before, queue_waits(url))
         finally:
             if child is not None:
@@ -251,12 +264,17 @@ def run_arm(name: str, args: argparse.Namespace, rate: float, shared: BenchFleet
         # requests it held in a queue of its own (warm-up included in both).
         summary["cpu_s"] = {role: round(s, 2) for role, s in cpu.items()}
         summary["router_cpu_ms_per_request"] = round(1000 * cpu["router"] / max(1, len(requests)), 2)
+        # what the router spends with no request at all (scrapes, KV events, timers), and what each request adds
+        summary["router_idle_cpu_ms_per_s"] = round(idle_cpu_ms_per_s, 2)
+        summary["router_request_cpu_ms"] = round(
+            (1000 * cpu["router"] - idle_cpu_ms_per_s * busy_s) / max(1, len(requests)), 2)
         summary["router_queue"] = waits
         ttft = {k: f"{v:.3f}" if v is not None else "-" for k, v in summary["ttft_s"].items()}
         print(f"{name}: {summary['ok']}/{summary['count']} ok, TTFT mean {ttft['mean']} p90 {ttft['p90']} s, "
               f"{summary['completed_per_s'] or 0:.2f} req/s, hit rate {summary['fleet_hit_rate'] or 0:.1%}, "
               f"engines' own TTFT mean {summary['engine_ttft_mean_s'] or 0:.3f} s, "
-              f"router CPU {summary['router_cpu_ms_per_request']:.1f} ms/request, engines' CPU {cpu['engines']:.0f} s, "
+              f"router CPU {summary['router_cpu_ms_per_request']:.1f} ms/request ({idle_cpu_ms_per_s:.1f} ms/s idle, "
+              f"{summary['router_request_cpu_ms']:.1f} ms/request beyond), engines' CPU {cpu['engines']:.0f} s, "
               f"queued in the router {sum(w['queued'] for w in waits.values())}, in {time.monotonic() - started:.0f} s",
               flush=True)
         return {"arm": asdict(ARMS[name]), "summary": summary, "records": [asdict(r) for r in records]}

@@ -14,10 +14,11 @@ from tests.support.polling import until
 LONG = ("--max-model-len", "1024", "--kv-cache-memory", "32MiB")  # a small engine whose requests can run long
 
 
-def hold_stream(url: str, model: str, stop: threading.Event, max_tokens: int = 700) -> None:
+def hold_stream(url: str, model: str, stop: threading.Event, max_tokens: int = 700,
+                auth: dict[str, str] | None = None) -> None:
     """A long streamed request that the client drops when told to (the engine then aborts it)."""
     body = {"model": model, "prompt": "busy", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth, timeout=120) as r:
         for _ in r.iter_lines():
             if stop.is_set():
                 return

@@ -181,6 +181,52 @@ def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_i
     assert metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count") - queued_before >= per_engine
 
 
+def test_a_conversations_turns_follow_its_cache_and_move_only_while_that_engine_is_full(vllm) -> None:
+    """Multi-turn chat, each turn resending the whole conversation (as OpenAI clients do), through the routing
+    `kvfleet up` runs by default: each turn goes to the engine that holds the last one's KV, and vLLM reports the
+    last turn's prompt as hits there; with that engine full, the next turn goes to the other engine and is answered
+    at once, and the turn after follows the conversation to where its newest KV now is."""
+    c = client(vllm.url)
+    messages = [{"role": "system", "content": system_prompt()}]
+    turns: list[tuple[str, int, float]] = []  # (engine, the turn's prompt tokens, vLLM's hits there during it)
+
+    def turn(question: str) -> str:
+        messages.append({"role": "user", "content": question})
+        hits_before = [vllm.engine_metric(k, "vllm:prefix_cache_hits_total") for k in range(2)]
+        raw = c.chat.completions.with_raw_response.create(model=SERVED, messages=messages, max_tokens=8)
+        answer, engine = raw.parse(), raw.headers[headers.ENGINE]
+        k = vllm.engines.index(engine)
+        turns.append((engine, answer.usage.prompt_tokens,
+                      vllm.engine_metric(k, "vllm:prefix_cache_hits_total") - hits_before[k]))
+        messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+        wait_for_blocks(vllm.url, engine, answer.usage.prompt_tokens // BLOCK_SIZE)  # its events reached the index
+        return engine
+
+    def hit_the_last_turn() -> bool:
+        """The newest turn hit at least every full block of the turn before's prompt (a prefix of its own)."""
+        return turns[-1][2] >= turns[-2][1] // BLOCK_SIZE * BLOCK_SIZE > 0
+
+    home = turn("What is a fleet?")
+    assert turn("And how large can one be?") == home and hit_the_last_turn(), turns
+    stop = threading.Event()
+    per_engine = MAX_NUM_SEQS + SaturationPolicy().max_queue  # its batch and waiting list full: the gateway's limit
+    holders = [threading.Thread(target=hold_stream, args=(home, SERVED, stop, 1800, vllm.token))
+               for _ in range(per_engine)]
+    try:
+        for t in holders:
+            t.start()
+        until(lambda: httpx.get(f"{vllm.url}/ready", timeout=10).json()["available"] == 1,
+              "the gateway never counted the conversation's engine full", timeout=120)
+        started = time.monotonic()
+        away = turn("Who runs it?")
+        assert away != home and time.monotonic() - started < 30, turns  # not held until the full engine has room
+    finally:
+        stop.set()
+        for t in holders:
+            t.join()
+    assert turn("Thanks. One more thing?") == away and hit_the_last_turn(), turns
+
+
 def test_a_kvfleet_model_and_a_vllm_model_behind_one_gateway_answer_in_the_same_shapes(
         vllm, tiny_model_dir, redis_server) -> None:
     """Mixed fleets: each model its own fleet of its own runtime; the same requests give the same OpenAI shapes."""
