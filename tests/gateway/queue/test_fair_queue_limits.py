@@ -1,6 +1,6 @@
 """Deadlines and per-tenant caps end to end: a real engine that runs one sequence at a time, a real gateway on one
 real Redis, clients over HTTP. A request whose queue ahead cannot drain by its deadline is answered at once with a
-wait estimate and a Retry-After that the queue's real drain bears out; a tenant at its cap of queued or unfinished
+wait estimate and a Retry-After from the rate the queue really drained at; a tenant at its cap of queued or unfinished
 requests gets a 429 that says which cap, while other tenants are served."""
 
 from __future__ import annotations
@@ -42,17 +42,19 @@ def test_a_request_that_cannot_be_served_by_its_deadline_is_answered_at_once_wit
     store = redis.Redis.from_url(redis_server.url)
     proc, url = gateway(engine, redis_server.url, "deadlines")
     results: dict = {}
-    # twelve tenants' requests of ~64 tokens each, one at a time through the engine: a backlog of several seconds
+    # fourteen tenants' requests of ~64 tokens each, one at a time through the engine: a backlog of several seconds
     backlog = [threading.Thread(target=send, args=(url, model, "standard", results, f"t{i}"),
-                                kwargs={"max_tokens": 64, TENANT: f"t{i}"}) for i in range(12)]
+                                kwargs={"max_tokens": 64, TENANT: f"t{i}"}) for i in range(14)]
     try:
         with saturated(engine, model, (url,)):
             for t in backlog:
                 t.start()
-            until(lambda: store.zcard(queue_key("deadlines")) == 12, "the backlog never queued")
-        until(lambda: len(results) >= 3, "the queue never drained three requests", 60)
+            until(lambda: store.zcard(queue_key("deadlines")) == 14, "the backlog never queued")
+        # six answered: the rate they came at is measured over five of the engine's turns, not one or two
+        until(lambda: len(results) >= 6, "the queue never drained six requests", 120)
         # the gateway has measured the drain rate (without one it refuses nobody: the request would be queued)
         until(lambda: drain_rate(url) > 0, "the gateway never measured the queue's drain rate")
+        served = sorted(at for _, at in list(results.values()))  # the backlog's answers so far
         asked = time.monotonic()
         late = httpx.post(f"{url}/v1/completions", timeout=30, headers={TENANT: "late", MAX_QUEUE_MS: "1000"},
                           json={"model": model, "prompt": "late", "max_tokens": 4})
@@ -65,13 +67,23 @@ def test_a_request_that_cannot_be_served_by_its_deadline_is_answered_at_once_wit
     finally:
         stop_process(proc)
     error = late.json()["error"]
+    observed = (len(served) - 1) / (served[-1] - served[0])  # the backlog's answers before the request came
     print(f"answered in {answered_in:.2f} s with {ahead} queued: {error['message']!r}, Retry-After "
-          f"{late.headers['retry-after']}; the queue ahead drained in {drained_in:.1f} s")
+          f"{late.headers['retry-after']}; the backlog was answered at {observed:.2f}/s before it, and the queue "
+          f"ahead drained in {drained_in:.1f} s after")
     assert late.status_code == 503 and error["code"] == "queue_deadline_unreachable"
     assert answered_in < 1.0  # at once, not after its 1 s deadline
     assert MAX_QUEUE_MS in error["message"] and "allow a longer wait" in error["message"]
     predicted = float(re.search(r"about ([0-9.]+) s of queued work", error["message"]).group(1))
-    assert 0.4 * drained_in <= predicted <= 2.5 * drained_in, (predicted, drained_in)
+    quoted_ahead, quoted_rate = re.search(r"\(([0-9]+) requests?, the fleet serving ([0-9.]+)/s\)",
+                                          error["message"]).groups()
+    # the prediction is the queue ahead (and this request) at the rate the gateway measured ...
+    assert abs(predicted - (int(quoted_ahead) + 1) / float(quoted_rate)) <= 0.05 * predicted + 0.1, error["message"]
+    # ... and that rate is the rate the queue was draining at: the backlog's answers before the request came, one
+    # released as each ended. Judged against the past, not the drain still to come, which a machine whose speed
+    # changes over the next seconds (a shared CI machine) can make two or three times longer than any estimate.
+    # The gateway's count of releases includes the slots the engine freed at once when the block above ended.
+    assert 0.4 * observed <= float(quoted_rate) <= 2.5 * observed, (quoted_rate, observed, served)
     retry_after = int(late.headers["retry-after"])
     # Retry-After is that same prediction (less half the 1 s it could have waited, in whole seconds), so it is as
     # honest as the prediction judged above; an absolute slack over the real drain would judge the machine's speed
