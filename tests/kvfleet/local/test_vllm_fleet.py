@@ -218,12 +218,16 @@ def test_a_conversations_turns_follow_its_cache_and_move_only_while_that_engine_
         until(lambda: httpx.get(f"{vllm.url}/ready", timeout=10).json()["available"] == 1,
               "the gateway never counted the conversation's engine full", timeout=120)
         started = time.monotonic()
-        away = turn("Who runs it?")
+        # a long turn: the other engine then holds full blocks of the conversation its first engine never had (a
+        # short one can end in the same block, and both engines would hold the same prefix)
+        away = turn("Who runs it? " + " ".join(f"Consider detail {k} of the fleet." for k in range(40)))
         assert away != home and time.monotonic() - started < 30, turns  # not held until the full engine has room
     finally:
         stop.set()
         for t in holders:
             t.join()
+    assert turns[-1][1] // BLOCK_SIZE > turns[-2][1] // BLOCK_SIZE, turns  # the newest KV is only where it went
+    vllm.wait_idle()
     assert turn("Thanks. One more thing?") == away and hit_the_last_turn(), turns
 
 
