@@ -181,10 +181,10 @@ def cpu_by_role(fleet: BenchFleet, peer: Child | None) -> dict[str, float]:
             "engines": sum(cpu_seconds(e.pid) for e in fleet.engines)}
 
 
-def idle_router_cpu(fleet: BenchFleet, peer: Child | None, seconds: float) -> float:
-    """The router's CPU milliseconds per second over `seconds` with no request in flight (0: not measured)."""
+def idle_router_cpu(fleet: BenchFleet, peer: Child | None, seconds: float) -> float | None:
+    """The router's CPU milliseconds per second over `seconds` with no request in flight (None: not measured)."""
     if seconds <= 0:
-        return 0.0
+        return None
     before, started = cpu_by_role(fleet, peer)["router"], time.monotonic()
     time.sleep(seconds)
     return 1000 * (cpu_by_role(fleet, peer)["router"] - before) / (time.monotonic() - started)
@@ -265,16 +265,21 @@ def run_arm(name: str, args: argparse.Namespace, rate: float, shared: BenchFleet
         summary["cpu_s"] = {role: round(s, 2) for role, s in cpu.items()}
         summary["router_cpu_ms_per_request"] = round(1000 * cpu["router"] / max(1, len(requests)), 2)
         # what the router spends with no request at all (scrapes, KV events, timers), and what each request adds
-        summary["router_idle_cpu_ms_per_s"] = round(idle_cpu_ms_per_s, 2)
-        summary["router_request_cpu_ms"] = round(
-            (1000 * cpu["router"] - idle_cpu_ms_per_s * busy_s) / max(1, len(requests)), 2)
+        idle_note = ""
+        summary["router_idle_cpu_ms_per_s"] = summary["router_request_cpu_ms"] = None
+        if idle_cpu_ms_per_s is not None:
+            summary["router_idle_cpu_ms_per_s"] = round(idle_cpu_ms_per_s, 2)
+            summary["router_request_cpu_ms"] = round(
+                (1000 * cpu["router"] - idle_cpu_ms_per_s * busy_s) / max(1, len(requests)), 2)
+            idle_note = (f" ({idle_cpu_ms_per_s:.1f} ms/s idle, {summary['router_request_cpu_ms']:.1f} ms/request "
+                         "beyond)")
         summary["router_queue"] = waits
         ttft = {k: f"{v:.3f}" if v is not None else "-" for k, v in summary["ttft_s"].items()}
         print(f"{name}: {summary['ok']}/{summary['count']} ok, TTFT mean {ttft['mean']} p90 {ttft['p90']} s, "
               f"{summary['completed_per_s'] or 0:.2f} req/s, hit rate {summary['fleet_hit_rate'] or 0:.1%}, "
               f"engines' own TTFT mean {summary['engine_ttft_mean_s'] or 0:.3f} s, "
-              f"router CPU {summary['router_cpu_ms_per_request']:.1f} ms/request ({idle_cpu_ms_per_s:.1f} ms/s idle, "
-              f"{summary['router_request_cpu_ms']:.1f} ms/request beyond), engines' CPU {cpu['engines']:.0f} s, "
+              f"router CPU {summary['router_cpu_ms_per_request']:.1f} ms/request{idle_note}, "
+              f"engines' CPU {cpu['engines']:.0f} s, "
               f"queued in the router {sum(w['queued'] for w in waits.values())}, in {time.monotonic() - started:.0f} s",
               flush=True)
         return {"arm": asdict(ARMS[name]), "summary": summary, "records": [asdict(r) for r in records]}
