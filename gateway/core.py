@@ -80,9 +80,11 @@ class Gateway:
     # ---- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         c = self.config
+        # connections idle for 4 s are let go before an engine's server ends them: vLLM's (uvicorn's) keep-alive is
+        # 5 s, and a request sent on a connection the engine is closing fails and is retried elsewhere
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=c.upstream_connect_timeout_s),
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512, keepalive_expiry=30.0))
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512, keepalive_expiry=4.0))
         self.queue = FleetQueue(c.redis_url, c.fleet, c.gateway_id, c.aging_ms, c.queue_caps,
                                 on_backend_change=lambda up: self.metrics.redis_up.set(1 if up else 0),
                                 policy=c.queue_policy)
