@@ -109,7 +109,9 @@ class Scraper:
             await self.scrape_once(url, metrics_url, quiet)
             self.on_scrape(url)
             pause = max(0.0, self.interval_for(url, quiet) - (time.monotonic() - started))
-            if not quiet:
+            if not quiet or self.interval_for(url) >= QUIET_SCRAPE_INTERVAL_S:
+                # a request ends only the pause quietness lengthened: an engine read this slowly anyway (a long
+                # --scrape-interval-ms, a costly /metrics) is read at its own pace, busy or not
                 await asyncio.sleep(pause)
                 continue
             try:
