@@ -109,9 +109,7 @@ class Scraper:
             await self.scrape_once(url, metrics_url, quiet)
             self.on_scrape(url)
             pause = max(0.0, self.interval_for(url, quiet) - (time.monotonic() - started))
-            if not quiet or self.interval_for(url) >= QUIET_SCRAPE_INTERVAL_S:
-                # a request ends only the pause quietness lengthened: an engine read this slowly anyway (a long
-                # --scrape-interval-ms, a costly /metrics) is read at its own pace, busy or not
+            if not quiet:
                 await asyncio.sleep(pause)
                 continue
             try:
