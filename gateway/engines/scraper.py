@@ -73,16 +73,12 @@ class Scraper:
         self._silent_since: dict[str, float] = {}  # start of the first of the scrapes timing out in a row
         self._took: dict[str, float] = {}  # each engine's scrape duration, a moving average (answered scrapes)
         self._size: dict[str, int] = {}  # the size of each engine's last answer
-        self._stopping = False
 
     def sync(self) -> None:
         """Start a loop for each new endpoint and stop the loops of those that left."""
         self._loops.sync(self.pool.endpoints)
 
     async def stop(self) -> None:
-        # the loops also end at their next turn: a cancellation a timer swallows (a TimeoutError raised in its place,
-        # as aiohttp's timeouts and asyncio.timeout can when both fire at once) must not leave stop() waiting
-        self._stopping = True
         await self._loops.stop()
         await self.session.close()
 
@@ -102,7 +98,7 @@ class Scraper:
 
     async def _loop(self, url: str) -> None:
         metrics_url = f"{url}/metrics?{METRICS_QUERY}"
-        while not self._stopping and (state := self.pool.endpoints.get(url)) is not None:
+        while (state := self.pool.endpoints.get(url)) is not None:
             started = time.monotonic()
             quiet = self.pool.quiet(url) and not self.queued()
             state.sent.clear()  # a request sent from here on ends a quiet pause
