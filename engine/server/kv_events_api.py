@@ -39,7 +39,8 @@ async def _stream(hub: KVEventHub, sub: Subscription) -> AsyncIterator[str]:
     try:
         while True:
             try:
-                batch = await asyncio.wait_for(sub.queue.get(), KEEPALIVE_S)
+                async with asyncio.timeout(KEEPALIVE_S):
+                    batch = await sub.queue.get()
             except TimeoutError:
                 yield ": keepalive\n\n"
                 continue

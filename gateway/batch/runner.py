@@ -92,13 +92,10 @@ class BatchRunner:
         self._task = asyncio.create_task(self._loop(), name="kvfleet-batch-runner")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        for task in list(self._sends):
+        tasks = [t for t in (self._task, *self._sends) if t is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._sends, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)  # their cancels, not this stop's own
         for batch_id in list(self.batches):
             await self.state.release(batch_id, self.owner)
         if self.session is not None:
@@ -123,7 +120,8 @@ class BatchRunner:
             self._dispatch()
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+                async with asyncio.timeout(0.05):
+                    await self._wake.wait()
 
     async def sweep(self) -> int:
         """Deletes the files whose expiry has passed (body, then record), but not the input of an unfinished batch

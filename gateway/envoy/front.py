@@ -91,7 +91,8 @@ async def serve_with_envoy(gateway: Gateway, host: str, port: int, drain_timeout
         if envoy.returncode is None:
             envoy.terminate()
             try:
-                await asyncio.wait_for(exited, drain_timeout)
+                async with asyncio.timeout(drain_timeout):
+                    await exited
             except TimeoutError:
                 envoy.kill()
         mirroring.cancel()

@@ -262,7 +262,8 @@ class RateLimiter:
         self._mark_reachable()
 
     async def _call(self, awaitable: Awaitable[T]) -> T:
-        return await asyncio.wait_for(awaitable, self.timeout_s)
+        async with asyncio.timeout(self.timeout_s):
+            return await awaitable
 
     def _should_try_redis(self) -> bool:
         if not self.degraded:

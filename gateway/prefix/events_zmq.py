@@ -172,7 +172,8 @@ class ZmqEventSubscriber:
             asked_at = time.monotonic()
             while True:
                 try:
-                    frames = await asyncio.wait_for(sub.recv_multipart(), REACHABLE_CHECK_S)
+                    async with asyncio.timeout(REACHABLE_CHECK_S):
+                        frames = await sub.recv_multipart()
                 except TimeoutError:
                     if not reachable():
                         log.info("KV events of %s: the pod is unreachable; forgetting its blocks", url)
@@ -225,7 +226,8 @@ class ZmqEventSubscriber:
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))
             deadline = time.monotonic() + REPLAY_TIMEOUT_S
             for _ in range(MAX_REPLAYED + 1):
-                frames = await asyncio.wait_for(dealer.recv_multipart(), max(0.0, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    frames = await dealer.recv_multipart()
                 message = _frames(frames[1:]) if frames and frames[0] == b"" else None
                 if message is None:
                     continue

@@ -184,7 +184,8 @@ class FleetQueue:
         try:
             timeout = max(0.0, (entry.deadline_ms - now_ms()) / 1000.0)
             try:
-                await asyncio.wait_for(asyncio.shield(granted), timeout)
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(granted)
                 return Outcome.GRANTED
             except TimeoutError:
                 pass
@@ -194,7 +195,8 @@ class FleetQueue:
                 raise
             if not await self._remove(entry.id):  # already popped by a release: its grant is on the way
                 try:
-                    await asyncio.wait_for(asyncio.shield(granted), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await asyncio.shield(granted)
                     return Outcome.GRANTED
                 except TimeoutError:
                     pass

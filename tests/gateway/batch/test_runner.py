@@ -189,3 +189,27 @@ async def test_a_batchs_output_files_expire_as_it_asked(engine: str, tmp_path: P
         await api.stop()
         await gateway.stop()
         redis.stop()
+
+
+class NoBatches:
+    """A batch state with nothing in it: the runner's loop scans, finds nothing and waits."""
+
+    async def active_batch_ids(self) -> list[str]:
+        return []
+
+    async def expired_files(self, now: float, limit: int) -> list:
+        return []
+
+
+@pytest.mark.asyncio
+async def test_a_runner_woken_in_the_moment_it_is_stopped_still_stops() -> None:
+    """A gateway's shutdown (and CI once, for 70 minutes) waited on a runner whose wait for work ended in the moment
+    it was cancelled: on Python 3.11 asyncio.wait_for then returns instead of passing the cancel on."""
+    for _ in range(5):
+        runner = BatchRunner(NoBatches(), files=None, models=None)
+        runner.start()
+        await asyncio.sleep(0.2)  # in its wait for work, between scans
+        runner.wake()
+        stopping = asyncio.create_task(runner.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        assert stopping in done, "the runner did not stop"
