@@ -104,7 +104,8 @@ class Gateway:
             self.forwarder = Forwarder(c, self.client, self.router)
         self.adapters = ServedAdapters(self.pool, c.engine_api_key)
         self.scraper = Scraper(self.pool, c.scrape_interval_s, on_scrape=self._scraped,
-                               unreachable_after_s=c.engine_unreachable_after_s)
+                               unreachable_after_s=c.engine_unreachable_after_s,
+                               queued=lambda: self.queue.total() > 0)
         if self.tokenize is not None and c.routing in PREFIX_STRATEGIES:  # without tokens, no index lookups
             self.kv_events = KVEventFollower(self.pool, self.prefix.index, self.metrics, c.engine_api_key)
         self.discovery = self.discovery or _discovery(c)

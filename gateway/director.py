@@ -253,6 +253,8 @@ async def _wait_in_queue(admission: Admission) -> None:
                                       gateway.queue.total())
         _count_shed(gateway, priority, reason, tenant)
         raise error
+    if gateway.scraper is not None:  # engines read slowly while quiet are read at once: their room releases this one
+        gateway.scraper.wake()
     if admission.has_capacity:
         gateway.poke()
     started = time.monotonic()

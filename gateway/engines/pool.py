@@ -12,6 +12,7 @@ from kvfleet.fleet.load import EngineLoad
 from kvfleet.gateway.routing.pick import EndpointSnapshot
 
 MAX_ADAPTERS_KEPT = 4096  # adapters whose latest engine the pool remembers
+QUIET_AFTER_S = 2.0  # an engine this gateway has sent nothing and awaits nothing from for this long is quiet
 
 
 @dataclass
@@ -32,6 +33,9 @@ class EndpointState:
     adapters_sent: set[str] = field(default_factory=set)  # adapters of requests sent since the scrape
     adapters_served: frozenset[str] | None = None  # the adapters its /v1/models lists (gateway/engines/adapters.py)
     adapters_last: set[str] = field(default_factory=set)  # adapters whose latest request went here
+    last_active: float = float("-inf")  # pool clock time of the last request sent to it or ended there
+    # set by each request sent to it: a scraper pausing long on a quiet engine wakes (scraper.py)
+    sent: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
 
 
 @dataclass
@@ -100,10 +104,25 @@ class EndpointPool:
         if state is not None:
             state.waits.pop(wait, None)
 
+    def quiet(self, url: str, now: float | None = None) -> bool:
+        """Whether this gateway has nothing open on the engine and sent it nothing for QUIET_AFTER_S: its load then
+        changes only by other clients' requests, and it may be scraped less often (scraper.py)."""
+        state = self.endpoints.get(url)
+        if state is None:
+            return False
+        now = self.clock() if now is None else now
+        return (state.open_requests == 0 and state.dispatched_since_scrape == 0
+                and now - state.last_active >= QUIET_AFTER_S)
+
+    def _sent(self, state: EndpointState) -> None:
+        state.last_active = self.clock()
+        state.sent.set()
+
     def record_expected(self, url: str, tokens: int = 0) -> None:
         """Another replica is about to send this engine a request: count it like one of ours until the scrape."""
         state = self.endpoints.get(url)
         if state is not None:
+            self._sent(state)
             state.dispatched_since_scrape += 1
             state.dispatch_tokens = average_tokens(state.dispatch_tokens, tokens)
 
@@ -114,6 +133,7 @@ class EndpointPool:
             if adapter is not None:
                 state.adapters_sent.add(adapter)
                 self._sent_adapter(adapter, state)
+            self._sent(state)
             state.dispatched_since_scrape += 1
             state.dispatch_tokens = average_tokens(state.dispatch_tokens, tokens)
             state.open_requests += 1
@@ -157,6 +177,7 @@ class EndpointPool:
         if state is None:
             return False
         state.open_requests = max(0, state.open_requests - 1)
+        state.last_active = self.clock()
         return False if ok is None else self.record_outcome(url, ok, now)
 
     def record_outcome(self, url: str, ok: bool, now: float | None = None) -> bool:

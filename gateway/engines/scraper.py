@@ -7,6 +7,13 @@ shows it ignored the filter is scraped no more often than SCRAPE_COST_RATIO time
 duration, a few times a second (its staleness limit stretching with it, pick.py); one that filtered keeps the base
 interval however slowly a busy moment makes it answer.
 
+An engine this gateway has nothing open on and sent nothing for a while (EndpointPool.quiet), while its fleet queue
+is empty, is read once a second instead (QUIET_SCRAPE_INTERVAL_S), and again at once when a request is sent to it or
+one is queued: an idle gateway in front of two vLLM engines spent ~22 ms of CPU a second on their scrapes (py-spy:
+aiohttp and parsing ~55 KB each), more than smg's whole idle process (10 ms/s). Its load then changes only by other
+clients' requests (other gateway replicas, direct clients), which a one-second-old reading still shows, and its
+staleness limit stretches with the pause.
+
 A slow answer leaves the last load in place and lets it age (stale metrics count as saturated); a refused
 connection or a bad answer marks the engine unhealthy until a scrape succeeds again. Scrapes that time out for
 `unreachable_after_s` in a row mean the engine stopped answering without closing anything (a blackhole): it turns
@@ -37,6 +44,7 @@ SCRAPE_COST_RATIO = 20.0  # an engine spends at most ~1/20 of its time answering
 MAX_SCRAPE_INTERVAL_S = 1.0  # however slow, an engine's load is read every second
 SMOOTHING = 0.2  # the weight of the newest scrape's duration in its moving average
 FILTERED_BYTES = 16 * 1024  # the load metrics alone are well under 1 KiB; a bigger answer ignored the filter
+QUIET_SCRAPE_INTERVAL_S = 1.0  # a quiet engine's pace (EndpointPool.quiet, nothing queued)
 
 
 def scrape_interval_s(base_s: float, took_s: float | None, body_bytes: int = 0) -> float:
@@ -50,9 +58,11 @@ def scrape_interval_s(base_s: float, took_s: float | None, body_bytes: int = 0) 
 
 class Scraper:
     def __init__(self, pool: EndpointPool, interval_s: float = 0.075, timeout_s: float = 1.0,
-                 on_scrape: Callable[[str], None] = lambda url: None, unreachable_after_s: float = 3.0):
-        """Built in a running event loop (the session binds to it); stop() closes the session."""
-        self.pool, self.interval_s, self.on_scrape = pool, interval_s, on_scrape
+                 on_scrape: Callable[[str], None] = lambda url: None, unreachable_after_s: float = 3.0,
+                 queued: Callable[[], bool] = lambda: False):
+        """Built in a running event loop (the session binds to it); stop() closes the session. `queued`: whether
+        the fleet queue holds requests (then every engine is read at its busy pace, for releases)."""
+        self.pool, self.interval_s, self.on_scrape, self.queued = pool, interval_s, on_scrape, queued
         self.unreachable_after_s = unreachable_after_s
         # limit=0: one kept-alive connection per engine, however many engines. `total` bounds the connect too, so a
         # blackholed engine's lost SYN times out as its silent socket does.
@@ -77,18 +87,36 @@ class Scraper:
         self._took.pop(url, None)
         self._size.pop(url, None)
 
-    def interval_for(self, url: str) -> float:
-        return scrape_interval_s(self.interval_s, self._took.get(url), self._size.get(url, 0))
+    def interval_for(self, url: str, quiet: bool = False) -> float:
+        busy = scrape_interval_s(self.interval_s, self._took.get(url), self._size.get(url, 0))
+        return max(busy, QUIET_SCRAPE_INTERVAL_S) if quiet else busy
+
+    def wake(self) -> None:
+        """A request was queued: quiet engines are read at once, and at their busy pace while it waits."""
+        for state in self.pool.endpoints.values():
+            state.sent.set()
 
     async def _loop(self, url: str) -> None:
         metrics_url = f"{url}/metrics?{METRICS_QUERY}"
-        while url in self.pool.endpoints:
+        while (state := self.pool.endpoints.get(url)) is not None:
             started = time.monotonic()
-            await self.scrape_once(url, metrics_url)
+            quiet = self.pool.quiet(url) and not self.queued()
+            state.sent.clear()  # a request sent from here on ends a quiet pause
+            await self.scrape_once(url, metrics_url, quiet)
             self.on_scrape(url)
-            await asyncio.sleep(max(0.0, self.interval_for(url) - (time.monotonic() - started)))
+            pause = max(0.0, self.interval_for(url, quiet) - (time.monotonic() - started))
+            if not quiet or self.interval_for(url) >= QUIET_SCRAPE_INTERVAL_S:
+                # a request ends only the pause quietness lengthened: an engine read this slowly anyway (a long
+                # --scrape-interval-ms, a costly /metrics) is read at its own pace, busy or not
+                await asyncio.sleep(pause)
+                continue
+            try:
+                async with asyncio.timeout(pause):
+                    await state.sent.wait()
+            except TimeoutError:
+                pass
 
-    async def scrape_once(self, url: str, metrics_url: str) -> None:
+    async def scrape_once(self, url: str, metrics_url: str, quiet: bool = False) -> None:
         started = time.monotonic()
         try:
             async with self.session.get(metrics_url) as response:
@@ -103,7 +131,7 @@ class Scraper:
             self._size[url] = len(text)
             self._silent_since.pop(url, None)
             self.pool.record_scrape(url, parse_engine_load(text), now=time.monotonic(),
-                                    interval_s=self.interval_for(url))
+                                    interval_s=self.interval_for(url, quiet))
         except TimeoutError:  # aiohttp's connect and read timeouts are TimeoutErrors too
             # Keep the last load; it ages past the staleness limit and the engine counts as saturated. Silent long
             # enough, the engine is unreachable.

@@ -61,6 +61,21 @@ MAX_ADAPTERS_LISTED = 1024  # adapter names read from one label; an engine listi
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
+def _wanted_lines(text: str):
+    """The lines of the wanted samples, found with str.find: vLLM renders ~540 lines (~55 KB) of which the load is
+    3, and a Python loop over every line took ~0.25 ms a scrape, a quarter of the gateway's scrape CPU (py-spy)."""
+    text = "\n" + text
+    for name in WANTED:
+        key = "\n" + name
+        at = text.find(key)
+        while at >= 0:
+            end = at + len(key)
+            if text[end:end + 1] in ("{", " ", "\t"):  # the name whole, not the start of a longer one
+                eol = text.find("\n", end)
+                yield text[at + 1:eol if eol >= 0 else len(text)]
+            at = text.find(key, end)
+
+
 def _sample_values(text: str) -> tuple[dict[str, float], dict[str, int], str | None]:
     """Sums of the wanted samples by name, how many label sets each summed, and the labels of the newest LoRA info
     sample (its value is the time it was set: vLLM keeps every label set it ever had), from plain exposition lines
@@ -68,9 +83,7 @@ def _sample_values(text: str) -> tuple[dict[str, float], dict[str, int], str | N
     found: dict[str, float] = {}
     series: dict[str, int] = {}
     lora_labels, lora_time = None, -1.0
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
+    for line in _wanted_lines(text):
         brace = line.find("{")
         if brace >= 0:
             name, rest = line[:brace], line[line.rfind("}") + 1:]
