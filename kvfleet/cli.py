@@ -206,7 +206,8 @@ def _up_kubernetes(args: argparse.Namespace) -> int:
 
 def _add_up_command(sub: argparse._SubParsersAction) -> None:
     from kvfleet.fleet.engine_settings import LOCAL_FLEET
-    from kvfleet.local.fleet import RUNTIMES
+    from kvfleet.gateway.routing.strategies import STRATEGIES
+    from kvfleet.local.fleet import RUNTIMES, FleetSpec
 
     p = sub.add_parser("up", help="a local fleet: an embedded Redis, N engines and a gateway (Ctrl-C stops it)")
     p.add_argument("--engines", type=int, default=2, help="engine processes to start")
@@ -220,7 +221,8 @@ def _add_up_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory", default=LOCAL_FLEET.kv_cache_memory, help="KV cache per engine")
     p.add_argument("--max-num-seqs", type=int, default=LOCAL_FLEET.max_num_seqs)
     p.add_argument("--fleet", default="local")
-    p.add_argument("--routing", choices=("kvfleet", "least-request", "round-robin"), default="kvfleet")
+    p.add_argument("--routing", choices=tuple(STRATEGIES), default=FleetSpec.routing,
+                   help="the gateway's routing strategy, as `kvfleet gateway --routing` (docs/gateway.md)")
     p.add_argument("--runtime", choices=RUNTIMES, default="kvfleet",
                    help="the engines: kvfleet's (default) or vLLM's (`vllm serve`; installed into its own venv the "
                         "first time, about 2 minutes, unless --vllm names one)")

@@ -110,6 +110,9 @@ def test_up_refuses_bad_settings_with_a_message(tiny_model_dir) -> None:
     r = subprocess.run([sys.executable, "-m", "kvfleet.cli", "up", "--model", "a", "--model", "a"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "each model name once" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvfleet.cli", "up", "--routing", "nearest"], capture_output=True,
+                       text=True, timeout=60)  # the choices are the gateway's own: prefix-affinity among them
+    assert r.returncode == 2 and "'nearest'" in r.stderr and "prefix-affinity" in r.stderr
 
 
 def test_each_run_has_its_own_engine_token() -> None:
