@@ -21,6 +21,7 @@ from kvfleet.gateway.admission import no_engine
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.director import Target, Ticket, check_body, check_headers
 from kvfleet.gateway.engines.adapters import ServedAdapters
+from kvfleet.gateway.engines.client import engine_client
 from kvfleet.gateway.engines.pool import EndpointPool
 from kvfleet.gateway.engines.scraper import Scraper
 from kvfleet.gateway.limits.access import admit_key, authenticate
@@ -80,11 +81,7 @@ class Gateway:
     # ---- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         c = self.config
-        # connections idle for 4 s are let go before an engine's server ends them: vLLM's (uvicorn's) keep-alive is
-        # 5 s, and a request sent on a connection the engine is closing fails and is retried elsewhere
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=c.upstream_connect_timeout_s),
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512, keepalive_expiry=4.0))
+        self.client = engine_client(c.upstream_connect_timeout_s)  # engines/client.py
         self.queue = FleetQueue(c.redis_url, c.fleet, c.gateway_id, c.aging_ms, c.queue_caps,
                                 on_backend_change=lambda up: self.metrics.redis_up.set(1 if up else 0),
                                 policy=c.queue_policy)
