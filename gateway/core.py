@@ -264,7 +264,7 @@ def _discovery(config: GatewayConfig):
 
 
 def request_id_from(given: str | None) -> str:
-    """The client's x-request-id when it is short and printable, else a new one."""
-    if given and len(given) <= 128 and given.isprintable():
+    """The client's x-request-id when it is short, ASCII and printable (it goes on to the engine), else a new one."""
+    if given and len(given) <= 128 and given.isascii() and given.isprintable():
         return given
     return uuid.uuid4().hex

@@ -85,6 +85,7 @@ def check_headers(config: GatewayConfig, keys: object | None, request_headers: M
     """The checks a request's headers allow, before its body is read: the queue wait it asks for, its API key, the
     class it may claim (refused before any count: a refused claim is no arrival of its class), and its tenant."""
     arrived_at = time.monotonic()
+    check_forwarded(request_headers)
     wait_ms = max_queue_ms(config, request_headers.get(headers.MAX_QUEUE_MS))
     key = authenticate(keys, request_headers)
     refusal = class_refusal(priority, class_ceiling(key, config.max_class), keys is not None)
@@ -92,6 +93,16 @@ def check_headers(config: GatewayConfig, keys: object | None, request_headers: M
         raise refusal
     tenant = request_tenant(key, request_headers, config.tenant_max_queued, config.tenant_max_inflight)
     return Ticket(priority, key, tenant, wait_ms, may_fall_back, arrived_at)
+
+
+def check_forwarded(request_headers: Mapping[str, str]) -> None:
+    """400 for a header the engine would get (headers.FORWARDED) whose value is not visible ASCII: the bytes a front
+    decodes as latin-1 could not be sent on, and the request would fail at the engine's door instead."""
+    for name in headers.FORWARDED:
+        value = request_headers.get(name)
+        if value is not None and not (value.isascii() and value.isprintable()):
+            raise APIError(400, f"the {name} header must be visible ASCII characters only; send it without the "
+                                f"bytes outside ASCII, or leave it out", param=name)
 
 
 def check_body(path: str, raw: bytes) -> dict:

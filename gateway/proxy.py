@@ -19,7 +19,7 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from kvfleet.fleet.errors import APIError
-from kvfleet.fleet.headers import AUTHORIZATION, REQUEST_ID, RETRY_AFTER
+from kvfleet.fleet.headers import AUTHORIZATION, FORWARDED, REQUEST_ID, RETRY_AFTER
 from kvfleet.fleet.headers import ENGINE as ENGINE_HEADER
 from kvfleet.fleet.priority import Priority
 from kvfleet.gateway.config import GatewayConfig
@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Only what the engine needs goes upstream: no client credentials, cookies or hop-by-hop headers.
-FORWARDED_HEADERS = frozenset(("content-type", "accept", "traceparent", "tracestate"))
 RETURNED_HEADERS = ("content-type", RETRY_AFTER, REQUEST_ID)
 DONE_EVENT = b"data: [DONE]"
 CONTINUATION_PATH = "/v1/completions"  # a continuation is a completion of the answer's token ids
@@ -58,7 +56,7 @@ def upstream_headers(headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str],
     out = {}
     for name, value in pairs:
         name = name.decode("latin-1").lower() if isinstance(name, bytes) else name.lower()
-        if name in FORWARDED_HEADERS:
+        if name in FORWARDED:
             out[name] = value.decode("latin-1") if isinstance(value, bytes) else value
     out[REQUEST_ID] = request_id
     if engine_api_key:

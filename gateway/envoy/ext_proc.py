@@ -41,7 +41,14 @@ from kvfleet.gateway.envoy.ext_proc_modes import (
 )
 from kvfleet.gateway.envoy.feed import EnvoyFeed
 from kvfleet.gateway.envoy.handoff import Handoff, Handoffs, handed_off
-from kvfleet.gateway.envoy.messages import header_map, immediate, route_to, route_to_hop, subset_hint
+from kvfleet.gateway.envoy.messages import (
+    continue_with_request_id,
+    header_map,
+    immediate,
+    route_to,
+    route_to_hop,
+    subset_hint,
+)
 from kvfleet.gateway.routing.router import Dispatch
 
 log = logging.getLogger("kvfleet.gateway.picker")
@@ -71,7 +78,10 @@ class EndpointPicker(ExternalProcessorServicer):
             refuse_unroutable(modes)
             priority = request_class(request_headers)
             ticket = self.gateway.check_headers(request_headers, priority)
-            raw, streamed = await self._read_body(context, first.request_headers.end_of_stream, modes)
+            given = request_headers.get(headers.REQUEST_ID)
+            replaced = given is not None and given != request_id  # the client's, not fit to keep (request_id_from)
+            raw, streamed = await self._read_body(context, first.request_headers.end_of_stream, modes,
+                                                  request_id if replaced else None)
             target = self.gateway.target(ticket, request_headers.get(":path", "").split("?", 1)[0], raw)
             counted_by = target.gateway
             # an answer the app relays can be migrated: a stream asks its engine for the token ids that takes
@@ -129,10 +139,12 @@ class EndpointPicker(ExternalProcessorServicer):
             gateway.pool.record_done(url, None)
             pick.started()
 
-    async def _read_body(self, context: grpc.aio.ServicerContext, no_body: bool,
-                         modes: Modes) -> tuple[bytes, StreamedBody]:
+    async def _read_body(self, context: grpc.aio.ServicerContext, no_body: bool, modes: Modes,
+                         new_request_id: str | None = None) -> tuple[bytes, StreamedBody]:
         """The request's body from Envoy: buffered whole after the headers phase's "continue" (bounded in time as the
-        Python front bounds it), or streamed in duplex mode; an empty one when Envoy said there is none."""
+        Python front bounds it), or streamed in duplex mode; an empty one when Envoy said there is none. The
+        "continue" sets the gateway's own request id where the client's was not fit to keep (Envoy answers with the
+        id the request carries, refusals included)."""
         streamed = StreamedBody()
         if no_body:  # Envoy sends no body message for an empty body: the schema refuses it as the proxy does
             return b"", streamed
@@ -140,7 +152,7 @@ class EndpointPicker(ExternalProcessorServicer):
         if modes.duplex:  # the headers phase waits for its answer until the route is known
             streamed = await read_streamed_body(context, self.gateway.config.max_body_bytes)
             return streamed.body, streamed
-        await context.write(_CONTINUE)
+        await context.write(_CONTINUE if new_request_id is None else continue_with_request_id(new_request_id))
         try:
             async with asyncio.timeout(limits.body_timeout_s):
                 message = await context.read()

@@ -45,6 +45,13 @@ def immediate(err: APIError, request_id: str) -> pb.ProcessingResponse:
         body=json.dumps(err.body()).encode()))
 
 
+def continue_with_request_id(request_id: str) -> pb.ProcessingResponse:
+    """The headers phase's "continue", with the request's id replaced."""
+    mutation = pb.HeaderMutation(set_headers=[_set(headers.REQUEST_ID, request_id)])
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+        header_mutation=mutation)))
+
+
 def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
     """The endpoints (`ip:port`, or `ip` for any port) the proxy allows for this request, from the first message's
     metadata; None when it sent no hint. A list of strings or one comma-separated string, as proxies send either."""

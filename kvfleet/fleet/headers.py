@@ -13,6 +13,9 @@ TENANT = "x-kvfleet-tenant"  # the fair-share tenant where no API keys are confi
 AUTHORIZATION = "authorization"  # `Bearer <key>`: the client's API key, or the gateway's engine key
 ALLOW_FALLBACK = "x-kvfleet-allow-fallback"  # `true`: the request may be served by its model's fallback model
 API_KEY = "x-api-key"  # the raw key, for clients that cannot send a bearer token
+# The client's headers the gateway passes on to the engine (no credentials, cookies or hop-by-hop headers): their
+# values must be visible ASCII, as an HTTP client sends them (a 400 at the gateway otherwise).
+FORWARDED = frozenset(("content-type", "accept", "traceparent", "tracestate"))
 
 # Set on answers.
 ENGINE = "x-kvfleet-engine"  # the engine that served, set by the gateway

@@ -12,13 +12,14 @@ import time
 import httpx
 import pytest
 
+from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.engines.pool import QUIET_AFTER_S
 from kvfleet.gateway.engines.scraper import QUIET_SCRAPE_INTERVAL_S
 from tests.conftest import start_gateway, stop_process
 from tests.support.gateways import gateway_metric, wait_until_routable
 from tests.support.polling import until
 
-BASE_INTERVAL_S = 0.075  # GatewayConfig.scrape_interval_s
+BASE_INTERVAL_S = GatewayConfig().scrape_interval_s  # the default pace, kept while the fleet is busy
 
 
 @pytest.fixture
