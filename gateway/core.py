@@ -251,6 +251,8 @@ class Gateway:
             states["unhealthy" if not e.healthy else "saturated" if policy.is_saturated(e) else "available"] += 1
             self.metrics.scrape_age.labels(e.url).set(min(e.metrics_age_s, 1e9))
             self.metrics.scrape_interval.labels(e.url).set(e.scrape_interval_s)
+            self.metrics.batch_capacity.labels(e.url).set(e.max_num_seqs or 0)
+            self.metrics.slot_seconds.labels(e.url).set(e.slot_seconds or 0.0)
         for state, n in states.items():
             self.metrics.endpoints.labels(state).set(n)
 

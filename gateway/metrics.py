@@ -52,6 +52,13 @@ class GatewayMetrics:
                                      "How often each engine's /metrics is read (longer where rendering it is costly)",
                                      ["endpoint"], registry=r)
         self.endpoints = Gauge("kvfleet_gateway_endpoints", "Engines by state", ["state"], registry=r)
+        self.batch_capacity = Gauge("kvfleet_gateway_engine_batch_capacity",
+                                    "Each engine's batch capacity as routing sees it: exported (kvfleet engines) or "
+                                    "learnt from its scrapes (vLLM; 0 until first seen full)", ["endpoint"], registry=r)
+        self.slot_seconds = Gauge("kvfleet_gateway_engine_slot_seconds",
+                                  "How long a request holds one of each engine's batch slots, as routing sees it: "
+                                  "exported, or learnt from vLLM's request histograms (0: not known yet)",
+                                  ["endpoint"], registry=r)
         self.routing_decisions = Counter(
             "kvfleet_gateway_routing_decisions", "Engines chosen, by what decided: prefix_precise or "
             "prefix_approximate (the engine holding the most of the prompt, from KV events or the approximate table), "

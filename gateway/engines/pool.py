@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvfleet.fleet.load import EngineLoad
+from kvfleet.gateway.engines.learned import Learned, filled, learn
 from kvfleet.gateway.routing.pick import EndpointSnapshot
 
 MAX_ADAPTERS_KEPT = 4096  # adapters whose latest engine the pool remembers
@@ -34,6 +35,7 @@ class EndpointState:
     adapters_served: frozenset[str] | None = None  # the adapters its /v1/models lists (gateway/engines/adapters.py)
     adapters_last: set[str] = field(default_factory=set)  # adapters whose latest request went here
     last_active: float = float("-inf")  # pool clock time of the last request sent to it or ended there
+    learned: Learned = Learned()  # what its scrapes taught of what it does not export (vLLM's batch size...)
     # set by each request sent to it: a scraper pausing long on a quiet engine wakes (scraper.py)
     sent: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
 
@@ -75,7 +77,9 @@ class EndpointPool:
         if load is None:
             state.scrape_error = error
             return
-        state.load, state.scraped_at, state.scrape_error = load, self.clock() if now is None else now, None
+        state.learned = learn(state.learned, load)
+        state.load, state.scraped_at = filled(load, state.learned), self.clock() if now is None else now
+        state.scrape_error = None
         state.scrape_interval_s = interval_s
         state.dispatched_since_scrape = 0
         state.adapters_sent = set()

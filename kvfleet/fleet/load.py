@@ -16,7 +16,10 @@ from kvfleet.fleet.metrics import (
     PREFILL_TOKENS_PENDING,
     PREFILL_TOKENS_PER_SECOND,
     REQUEST_SLOT_SECONDS,
+    VLLM_INFERENCE_SECONDS,
     VLLM_LORA_REQUESTS_INFO,
+    VLLM_PREFILL_COMPUTED_TOKENS,
+    VLLM_PREFILL_SECONDS,
 )
 
 
@@ -35,6 +38,17 @@ class LoraInfo:
 
 
 @dataclass(frozen=True)
+class RequestTotals:
+    """vLLM's running totals over the requests it has finished: how many, their seconds running (their batch slots'
+    time), their seconds in prefill and the prompt tokens they computed (not found in the cache)."""
+
+    finished: float
+    running_s: float
+    prefill_s: float
+    computed_tokens: float
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     kv_cache_usage: float
     num_waiting: int
@@ -45,13 +59,15 @@ class EngineLoad:
     request_slot_seconds: float | None = None  # as the previous
     decode_tokens_per_second_full_batch: float | None = None  # as the previous
     lora: LoraInfo | None = None  # None: the engine serves no adapters (or does not say)
+    totals: RequestTotals | None = None  # vLLM's; None for kvfleet engines, which export the rates themselves
 
 
 # What the gateway asks for: /metrics?name[]=... (kvfleet engines filter on it, so they render a few lines instead of
 # every histogram; vLLM 0.32 ignores it and renders everything, so the scraper slows down for it: scraper.py).
 WANTED = (*(n for names in LOAD_SIGNALS.values() for n in names), MAX_NUM_SEQS, PREFILL_TOKENS_PENDING,
           PREFILL_TOKENS_PER_SECOND, REQUEST_SLOT_SECONDS, DECODE_TOKENS_PER_SECOND_FULL_BATCH, LORA_REQUESTS_INFO,
-          VLLM_LORA_REQUESTS_INFO)
+          VLLM_LORA_REQUESTS_INFO, *(f"{n}_{part}" for n in (
+              VLLM_INFERENCE_SECONDS, VLLM_PREFILL_SECONDS, VLLM_PREFILL_COMPUTED_TOKENS) for part in ("sum", "count")))
 LORA_INFO = (LORA_REQUESTS_INFO, VLLM_LORA_REQUESTS_INFO)
 METRICS_QUERY = "&".join(f"name[]={n}" for n in WANTED)
 
@@ -145,4 +161,13 @@ def parse_engine_load(text: str) -> EngineLoad:
                       int(values["num_running"]), capacity, max(0, int(found.get(PREFILL_TOKENS_PENDING, 0))),
                       rate or None, found.get(REQUEST_SLOT_SECONDS, 0.0) or None,
                       found.get(DECODE_TOKENS_PER_SECOND_FULL_BATCH, 0.0) or None,
-                      None if lora_labels is None else parse_lora_info(lora_labels))
+                      None if lora_labels is None else parse_lora_info(lora_labels), _totals(found))
+
+
+def _totals(found: dict[str, float]) -> RequestTotals | None:
+    """vLLM's request totals, when it exports all of them."""
+    names = (f"{VLLM_INFERENCE_SECONDS}_count", f"{VLLM_INFERENCE_SECONDS}_sum", f"{VLLM_PREFILL_SECONDS}_sum",
+             f"{VLLM_PREFILL_COMPUTED_TOKENS}_sum")
+    if not all(n in found for n in names):
+        return None
+    return RequestTotals(*(found[n] for n in names))

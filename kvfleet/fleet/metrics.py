@@ -32,6 +32,12 @@ VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"
 VLLM_E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
 VLLM_TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
+# vLLM's per-request histograms (their _sum and _count) from which the gateway learns what vLLM does not export and
+# kvfleet's engine does (REQUEST_SLOT_SECONDS, PREFILL_TOKENS_PER_SECOND, PREFILL_TOKENS_PENDING): see
+# gateway/engines/learned.py
+VLLM_INFERENCE_SECONDS = "vllm:request_inference_time_seconds"  # a request's time running: prefill and decode
+VLLM_PREFILL_SECONDS = "vllm:request_prefill_time_seconds"
+VLLM_PREFILL_COMPUTED_TOKENS = "vllm:request_prefill_kv_computed_tokens"  # its prompt tokens not found in the cache
 
 # For each load signal, the names that carry it, in order of preference.
 LOAD_SIGNALS: dict[str, tuple[str, ...]] = {

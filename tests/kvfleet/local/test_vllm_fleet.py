@@ -171,6 +171,9 @@ def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_i
             waiting = [w for _, w in seen[-1][1]]
             assert all(w <= max_waiting for w in waiting), f"vLLM's own waiting lists held {waiting}: {seen}"
             assert not any(a.done() for a in answers)
+            # vLLM does not say its batch size: the gateway learnt it, having seen each engine run it with more waiting
+            capacity = [metric(vllm.url, "kvfleet_gateway_engine_batch_capacity", endpoint=e) for e in vllm.engines]
+            assert capacity == [MAX_NUM_SEQS] * 2, capacity
         finally:
             stop.set()  # the holders leave: vLLM aborts them and frees their slots
             for t in holders:
@@ -179,6 +182,9 @@ def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_i
     assert [a.status_code for a in results] == [200] * per_engine, [a.text[:200] for a in results]
     assert all(a.json()["usage"]["completion_tokens"] == 4 for a in results)
     assert metric(vllm.url, "kvfleet_gateway_queue_wait_seconds_count") - queued_before >= per_engine
+    # and how long a request holds a slot, from vLLM's histograms over the requests finished between its scrapes
+    until(lambda: all(metric(vllm.url, "kvfleet_gateway_engine_slot_seconds", endpoint=e) > 0 for e in vllm.engines),
+          "the gateway never learnt how long a request holds a vLLM batch slot", timeout=10)
 
 
 def test_a_conversations_turns_follow_its_cache_and_move_only_while_that_engine_is_full(vllm) -> None:
