@@ -73,8 +73,10 @@ class PrefixAffinity:
     min_match of it) unless waiting there would cost more than `stickiness` times the prefill the hit saves; a
     prompt no engine holds goes to the lowest estimated time to first token. Moving a tenant costs more than its one
     miss: its prefix is computed again and evicts other tenants' (the greedy lowest-TTFT choice, stickiness 1, loses
-    half its hit rate when KV capacity binds), so a holder keeps its tenants until it is really behind. Released from
-    the queue (must), saturated engines are candidates too: the cache still decides."""
+    half its hit rate when KV capacity binds), so a holder keeps its tenants until it is really behind, and never
+    while it is saturated and another engine is not (the saturation filter comes first, as in the Inference
+    Extension's scheduler). Released from the queue (must) with every engine saturated, all are candidates: the cache
+    still decides."""
 
     policy: SaturationPolicy = SaturationPolicy()
     min_match: float = 0.3
@@ -83,9 +85,11 @@ class PrefixAffinity:
 
     def choose(self, endpoints: Sequence[EndpointSnapshot], request: RoutingContext,
                rng: random.Random) -> EndpointSnapshot | None:
-        if not available(endpoints, self.policy) and not request.must:
-            return None  # the whole pool is saturated: the request waits in the gateway's queue
-        candidates = [e for e in endpoints if e.healthy]
+        candidates = available(endpoints, self.policy)
+        if not candidates:
+            if not request.must:
+                return None  # the whole pool is saturated: the request waits in the gateway's queue
+            candidates = [e for e in endpoints if e.healthy]
         if not candidates:
             return None
         typical = typical_rate(endpoints) or self.ttft.default_rate

@@ -1,7 +1,7 @@
 """Prefix affinity (gateway/routing/ttft.py): the engine holding a prompt keeps it until waiting there costs more
 than `stickiness` times the prefill its cache saves; a prompt no engine holds goes to the lowest estimated time to
-first token; with every engine saturated the request waits in the gateway, and once released the cache still
-decides, saturated or not."""
+first token; a saturated engine takes nothing while another has room; with every engine saturated the request
+waits in the gateway, and once released the cache still decides."""
 
 from __future__ import annotations
 
@@ -58,11 +58,15 @@ def test_with_every_engine_saturated_it_waits_and_once_released_the_cache_decide
     assert choose(fleet, {"b": 0.95}, must=True) == "b"  # released: still its holder, not the least loaded
 
 
-def test_a_saturated_holder_beside_a_free_engine_still_wins_within_the_bound() -> None:
-    """The saturation filter decides whether a request waits in the gateway, not which engine it goes to: dropping
-    the holder because its queue reached the limit would move the tenant and evict another's prefix."""
+def test_a_saturated_holder_beside_a_free_engine_gives_way_even_within_the_bound() -> None:
+    """The saturation filter comes first, as in the Inference Extension's scheduler: an engine whose queue reached
+    the limit takes no more while another has room. Where the estimate cannot see an engine's decode load (a vLLM
+    engine before any request has finished there: no slot time yet), the bound alone let one prompt's burst pile
+    onto its holder with the other engine idle."""
     fleet = [engine("a", num_waiting=SaturationPolicy().max_queue, pending=1200), engine("b")]
-    assert choose(fleet, {"a": 0.9}) == "a"
+    assert choose(fleet, {"a": 0.9}) == "b"
+    assert choose([engine("a", num_waiting=SaturationPolicy().max_queue - 1, pending=1200), engine("b")],
+                  {"a": 0.9}) == "a"
 
 
 def test_unhealthy_engines_are_never_chosen() -> None:
