@@ -5,13 +5,13 @@ in one class, through 2 gateway replicas sharing Redis, one of them killed mid-r
     python -m bench.noisy_neighbour --order-only                  # the order phase alone (Redis, no engine)
     python -m bench.noisy_neighbour --gateway-arg=--tenant-max-queued=50 --json out.json
 
-Setup: one real SmolLM2 engine (--model) behind `kvfleet gateway --data-plane python` replicas (Envoy would add a
-process per replica on this 2-core machine) sharing one Redis. Capacity (req/s) is measured first, closed loop,
-straight to the engine. Tenants (x-kvfleet-tenant, no API keys) send seeded open-loop Poisson arrivals, every
-request `standard`, non-streamed, --max-tokens with EOS ignored; the same plan in every arm. The client deals
-requests round-robin over the replicas, as a Service would. At --kill-at of the run one replica gets SIGKILL: a
-request that cannot connect, or loses its connection, is retried once on the other replica (counted); one that
-still gets no HTTP answer, or none within the queue deadline + 120 s, is "lost".
+Setup: one real SmolLM2 engine (--model) behind `kvfleet gateway` replicas on the default data plane (Envoy and the
+picker; `--data-plane python` for the Python proxy, which earlier runs used) sharing one Redis. Capacity (req/s) is
+measured first, closed loop, straight to the engine. Tenants (x-kvfleet-tenant, no API keys) send seeded open-loop
+Poisson arrivals, every request `standard`, non-streamed, --max-tokens with EOS ignored; the same plan in every arm. The
+client deals requests round-robin over the replicas, as a Service would. At --kill-at of the run one replica gets
+SIGKILL: a request that cannot connect, or loses its connection, is retried once on the other replica (counted); one
+that still gets no HTTP answer, or none within the queue deadline + 120 s, is "lost".
 
 Arms (alternating order with --rounds > 1): fcfs (today's policy), fair, fair-1-replica (one replica, no kill: the
 single-queue reference) and alone (B and C only, fair, 2 replicas, no kill: the p99 reference). The peer arms put smg
@@ -59,6 +59,7 @@ from kvfleet.bench_report import percentile
 from kvfleet.fleet import headers
 from kvfleet.fleet.ports import free_port
 from kvfleet.fleet.priority import Priority
+from kvfleet.gateway.config import DATA_PLANES, GatewayConfig
 from kvfleet.loadgen import LoadSpec, arrival_times, make_prompts
 from kvfleet.local.supervisor import Child, stop_together
 from kvfleet.local.supervisor import spawn as spawn_child
@@ -241,7 +242,7 @@ def start_replicas(fleet: BenchFleet, arm: Arm, name: str, extra: list[str]) -> 
     gateways = []
     for i in range(arm.replicas):
         port = free_port()
-        args = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--fleet", name, "--data-plane", "python",
+        args = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--fleet", name,
                 "--queue-policy", arm.policy, "--redis-url", fleet.redis.url,
                 *(f for e in fleet.engines for f in ("--engine", e.url)), *arm.flags, *extra]
         gateways.append(spawn(f"gateway-{name}-{i}", args, f"http://127.0.0.1:{port}", fleet.log_dir))
@@ -329,8 +330,8 @@ def run_arm(fleet: BenchFleet, name: str, tag: str, plan: list[Planned], args: a
         smg, smg_metrics = start_smg(fleet, arm, f"{name}-{tag}", args)
         gateways = [smg]
     else:
-        gateways = start_replicas(fleet, arm, f"nn-{name}-{tag}", [*args.gateway_arg, "--max-queue-ms",
-                                                                   str(args.max_queue_ms)])
+        gateways = start_replicas(fleet, arm, f"nn-{name}-{tag}", ["--data-plane", args.data_plane, *args.gateway_arg,
+                                                                   "--max-queue-ms", str(args.max_queue_ms)])
     mine = [r for r in plan if r.tenant in arm.tenants]
     kill = (args.kill_at * args.duration, gateways[-1]) if arm.kill else None
     try:
@@ -432,6 +433,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--light", type=float, default=0.1, help="B's and C's rate each, as a multiple of capacity")
     p.add_argument("--kill-at", type=float, default=0.4, help="when one replica gets SIGKILL, as a fraction of the run")
     p.add_argument("--max-queue-ms", type=int, default=15_000, help="the gateways' queue deadline")
+    p.add_argument("--data-plane", choices=DATA_PLANES, default=GatewayConfig.data_plane,
+                   help="the gateways' data plane (default: the gateway's own default)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--rounds", type=int, default=1, help="run the arms this many times, in alternating order")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
@@ -507,7 +510,7 @@ def format_table(report: dict, args: argparse.Namespace) -> str:
         lines.append(f"{args.engines} {args.runtime} engine(s), max-num-seqs {args.max_num_seqs}; capacity "
                      f"{report['capacity_requests_per_s']:.2f} req/s; A {args.flood:g}x, B and C "
                      f"{args.light:g}x each; {args.duration:g} s; queue deadline {args.max_queue_ms} ms; one replica "
-                     f"killed at {args.kill_at:.0%} in fcfs and fair; data plane python")
+                     f"killed at {args.kill_at:.0%} in fcfs and fair; data plane {args.data_plane}")
     groups = [(f"round {r + 1}", arms, report["p99_vs_alone"][r]) for r, arms in enumerate(report.get("rounds", []))]
     if "pooled" in report:
         groups.append(("pooled", report["pooled"], report["pooled_p99_vs_alone"]))
