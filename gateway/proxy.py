@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,16 +48,9 @@ class Upstream:
     sent_at: float
 
 
-def upstream_headers(headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str,
-                     engine_api_key: str | None = None) -> dict[str, str]:
-    """From the client's raw header list (`request.headers.raw`: one pass, where copying Starlette's Headers
-    mapping costs O(n) per header) or a plain dict."""
-    pairs = headers.items() if isinstance(headers, Mapping) else headers
-    out = {}
-    for name, value in pairs:
-        name = name.decode("latin-1").lower() if isinstance(name, bytes) else name.lower()
-        if name in FORWARDED:
-            out[name] = value.decode("latin-1") if isinstance(value, bytes) else value
+def upstream_headers(headers: Mapping[str, str], request_id: str, engine_api_key: str | None = None) -> dict[str, str]:
+    """What the engine is sent of the client's headers (kvfleet.fleet.headers.combined: the view the checks read)."""
+    out = {name: value for name, value in headers.items() if name in FORWARDED}
     out[REQUEST_ID] = request_id
     if engine_api_key:
         out[AUTHORIZATION] = f"Bearer {engine_api_key}"  # never the client's own credentials
@@ -77,7 +70,7 @@ class Forwarder:
         self.pool, self.metrics = router.pool, router.metrics
 
     async def forward(self, admission: Admission, path: str,
-                      headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str,
+                      headers: Mapping[str, str], request_id: str,
                       first: Dispatch | None = None) -> Response:
         """Sends to the engine the router picks (`first`: the one the Envoy plane's picker already picked and
         recorded, whose fallback is the retry's engine, as Envoy's would be); an engine fault or a busy answer is
@@ -139,7 +132,7 @@ class Forwarder:
         return self.router.dispatch(admission.hashes, frozenset(tried), critical)
 
     async def _send(self, pick: Dispatch, path: str, raw_body: bytes,
-                    headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str) -> Upstream | str:
+                    headers: Mapping[str, str], request_id: str) -> Upstream | str:
         """The engine's answer once its headers arrive (a kvfleet engine sends them with the first output), or why
         none came. A critical request counts at its engine (critical_pending) until then, whatever happens."""
         url, sent_at = pick.url, time.monotonic()
@@ -207,7 +200,7 @@ class Forwarder:
         return content, None
 
     def _relay_stream(self, upstream: Upstream, admission: Admission, tried: set[str],
-                      headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str,
+                      headers: Mapping[str, str], request_id: str,
                       ok: bool | None) -> Response:
         """The engine's stream, relayed as it comes; where its engine ends it early, continued on another engine
         (migration.py) when the engine was asked for its token ids."""
@@ -298,7 +291,7 @@ class _Engines:
     """Where a stream goes on when its engine drops it: the next engine the router picks among those not tried."""
 
     def __init__(self, forwarder: Forwarder, admission: Admission, tried: set[str],
-                 headers: Iterable[tuple[bytes, bytes]] | Mapping[str, str], request_id: str) -> None:
+                 headers: Mapping[str, str], request_id: str) -> None:
         self.forwarder, self.admission, self.tried = forwarder, admission, tried
         self.headers, self.request_id = headers, request_id
 

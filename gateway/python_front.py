@@ -4,6 +4,8 @@ back; the Forwarder (proxy.py) sends, retries and relays. The answer is counted 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -19,16 +21,17 @@ async def handle_request(front, request: Request, path: str) -> Response:
     """One request through the Python proxy: `front` (a Gateway, or a ModelFront of several) checks its headers and
     finds its fleet, which admits it and whose forwarder sends it; the answer is counted in that fleet's metrics
     (the front's before one is known)."""
-    request_id = request_id_from(request.headers.get(headers.REQUEST_ID))
+    fields = headers.combined(request.headers.raw)
+    request_id = request_id_from(fields.get(headers.REQUEST_ID))
     priority, counted_by = DEFAULT_PRIORITY, front
     try:
-        priority = request_class(request.headers)
-        ticket = front.check_headers(request.headers, priority)
+        priority = request_class(fields)
+        ticket = front.check_headers(fields, priority)
         target = front.target(ticket, path, await request.body())
         counted_by = target.gateway
         admission = await admit(ticket, target, continuable=target.gateway.config.migration_limit > 0)
         await unless_client_leaves(request.receive, admission.wait())
-        response = await send_admitted(admission, request, path, request_id)
+        response = await send_admitted(admission, request, fields, path, request_id)
     except APIError as err:
         response = err.response()
     response.headers[headers.REQUEST_ID] = request_id
@@ -36,12 +39,13 @@ async def handle_request(front, request: Request, path: str) -> Response:
     return response
 
 
-async def send_admitted(admission: Admission, request: Request, path: str, request_id: str) -> Response:
+async def send_admitted(admission: Admission, request: Request, fields: Mapping[str, str], path: str,
+                        request_id: str) -> Response:
     """The Python proxy's half after admission: forward to an engine, settle the token reservation."""
     settlement = admission.settlement
     try:
         response = await unless_client_leaves(request.receive, admission.gateway.forwarder.forward(
-            admission, path, request.headers.raw, request_id))
+            admission, path, fields, request_id))
         if admission.degraded is not None:
             response.headers[headers.DEGRADED] = admission.degraded
     except BaseException as err:

@@ -19,6 +19,7 @@ from kvfleet.fleet.vllm_serve import (
     VLLM_KV_CACHE_SPACE_ENV,
     kv_cache_space_gib,
     serve_args,
+    serve_env,
 )
 from kvfleet.operator.fleet_spec import ENGINE_PORT, FleetSpec
 from kvfleet.operator.lora_spec import VLLM_RUNTIME_LORA_ENV
@@ -37,7 +38,8 @@ def vllm_args(fleet: FleetSpec) -> list[str]:
 def vllm_env(fleet: FleetSpec) -> list[dict]:
     """Caches on the writable emptyDir (the root filesystem is read-only), the token, the CPU backend's KV size."""
     env = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/huggingface"},
-           {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"}, {"name": "KVFLEET_FLEET", "value": fleet.name}]
+           {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"}, {"name": "KVFLEET_FLEET", "value": fleet.name},
+           *({"name": name, "value": value} for name, value in serve_env().items())]
     if fleet.api_key_secret:
         env.append({"name": VLLM_API_KEY_ENV, "valueFrom": {"secretKeyRef": {
             "name": fleet.api_key_secret, "key": fleet.api_key_secret_key}}})

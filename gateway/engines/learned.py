@@ -63,11 +63,9 @@ def learn(known: Learned, load: EngineLoad) -> Learned:
 
 def filled(load: EngineLoad, known: Learned) -> EngineLoad:
     """The load with what the engine does not export taken from what was learnt (nothing for an engine that exports
-    them itself)."""
+    them itself: one without vLLM's totals)."""
     if load.totals is None:
         return load
-    pending = load.prefill_tokens_pending or round(load.num_waiting * (known.computed_tokens or 0.0))
-    return replace(load, max_num_seqs=load.max_num_seqs or known.batch,
-                   request_slot_seconds=load.request_slot_seconds or known.slot_s,
-                   prefill_tokens_pending=pending,
-                   prefill_tokens_per_second=load.prefill_tokens_per_second or known.prefill_rate)
+    return replace(load, max_num_seqs=known.batch, request_slot_seconds=known.slot_s,
+                   prefill_tokens_pending=round(load.num_waiting * (known.computed_tokens or 0.0)),
+                   prefill_tokens_per_second=known.prefill_rate)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvfleet.fleet import headers
-from kvfleet.fleet.http_server import KEEP_ALIVE_S
+from kvfleet.fleet.engine_settings import POOL_IDLE_S
 from kvfleet.gateway.config import GatewayConfig
 from kvfleet.gateway.envoy.handoff import HOP_HEADER
 from kvfleet.gateway.envoy.lua import USAGE_NAMESPACE, attempt_access_log, lua_filter, usage_access_log
@@ -51,12 +51,19 @@ def _static_cluster(name: str, port: int, http2: bool = False) -> dict:
     }
     # HTTP/2 for the picker's gRPC; the app's HTTP/1.1 connections are let go before its server's keep-alive ends
     # them (kvfleet.fleet.http_server), so Envoy never sends a handed-off request on a connection being closed
-    protocol = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
-    cluster["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-        "explicit_http_config": protocol,
-        **({} if http2 else {"common_http_protocol_options": {"idle_timeout": _seconds(KEEP_ALIVE_S - 15)}})}}
+    cluster["typed_extension_protocol_options"] = _http_options(http2)
     return cluster
+
+
+def _http_options(http2: bool = False) -> dict:
+    """HTTP/2, or HTTP/1.1 whose idle connections Envoy lets go before the server behind it closes them
+    (engine_settings.KEEP_ALIVE_S: kvfleet's servers and the vLLM engines kvfleet starts), so that no request is sent
+    on a connection being closed."""
+    protocol = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
+    idle = {} if http2 else {"common_http_protocol_options": {"idle_timeout": _seconds(POOL_IDLE_S)}}
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": protocol, **idle}}
 
 
 def _typed(name: str, type_name: str, **config: object) -> dict:
@@ -77,6 +84,7 @@ def _engines_cluster(config: GatewayConfig, engines_file: Path | None) -> dict:
     cluster: dict = {
         "name": ENGINES_CLUSTER, "connect_timeout": _seconds(config.upstream_connect_timeout_s),
         "load_balancing_policy": {"policies": [{"typed_extension_config": override_host}]},
+        "typed_extension_protocol_options": _http_options(),
         # the gateway's connection cap toward engines, as the Python proxy's client had; retries are not capped
         # apart from it (Envoy's default allows 3 at a time: a failing engine under load would go unretried)
         "circuit_breakers": {"thresholds": [{"max_connections": 4096, "max_pending_requests": 4096,

@@ -83,7 +83,7 @@ async def serve_handoff(handoffs: Handoffs, request: Request, path: str) -> Resp
     admission = dataclasses.replace(handoff.admission, settlement=None)
     try:
         response = await unless_client_leaves(request.receive, admission.gateway.forwarder.forward(
-            admission, path, request.headers.raw, handoff.request_id, first=handoff.pick))
+            admission, path, headers.combined(request.headers.raw), handoff.request_id, first=handoff.pick))
     except APIError as err:
         response = err.response()
     response.headers[headers.REQUEST_ID] = handoff.request_id

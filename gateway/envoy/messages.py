@@ -26,9 +26,8 @@ _CLIENT_CREDENTIALS = (headers.AUTHORIZATION, headers.API_KEY)
 
 
 def header_map(message: pb.HttpHeaders) -> dict[str, str]:
-    """Envoy's request headers as a lower-case dict (values arrive in raw_value)."""
-    return {h.key.lower(): (h.raw_value.decode("latin-1") if h.raw_value else h.value)
-            for h in message.headers.headers}
+    """Envoy's request headers as every check reads them (headers.combined; values arrive in raw_value)."""
+    return headers.combined((h.key, h.raw_value or h.value) for h in message.headers.headers)
 
 
 def _set(key: str, value: str) -> HeaderValueOption:

@@ -13,6 +13,12 @@ from kvfleet.fleet.lora import DEFAULT_MAX_LORA_RANK
 from kvfleet.fleet.priority import BATCH_ENGINE_PRIORITY
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# How long a kvfleet server (engine, gateway) and a vLLM engine kvfleet starts (VLLM_HTTP_TIMEOUT_KEEP_ALIVE; vLLM's
+# own default is 5 s) keep an idle connection open: longer than every client pool in front of them keeps one (httpx:
+# 5 s, the gateway's scrapes: 30 s, Envoy: POOL_IDLE_S), since a server that closes an idle connection just as a
+# client reuses it makes that request fail with no answer, and the gateway then retries it on another engine.
+KEEP_ALIVE_S = 75
+POOL_IDLE_S = KEEP_ALIVE_S - 15  # how long Envoy keeps an idle connection to an engine or the gateway's app
 DRAIN_S = 30  # seconds an engine (kvfleet's --drain-timeout, vLLM's --shutdown-timeout) finishes requests on SIGTERM
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

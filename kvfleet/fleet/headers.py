@@ -5,6 +5,8 @@ Lower case, as ASGI servers and httpx hand them over.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 # Sent by clients to the gateway.
 REQUEST_ID = "x-request-id"  # kept when the client sends one, made otherwise; echoed on the answer
 PRIORITY = "x-kvfleet-priority"  # critical | standard | sheddable (kvfleet.fleet.priority)
@@ -23,3 +25,15 @@ FAULT = "x-kvfleet-fault"  # `engine` on an engine's 5xx that is its own fault, 
 ENGINE_FAULT = "engine"  # FAULT's value
 RETRY_AFTER = "retry-after"  # seconds, on 429 and 503
 DEGRADED = "x-kvfleet-degraded"  # the degradation step applied to this answer, e.g. `max_tokens=256`
+
+
+def combined(fields: Iterable[tuple[bytes | str, bytes | str]]) -> dict[str, str]:
+    """The one view of a request's headers that every check reads and the engine is sent, on either data plane:
+    names lower case, values as latin-1 text, and a field sent on several lines combined into one, its values
+    joined by ", " in the order sent (RFC 9110 section 5.3), so no check reads one line while another is sent on."""
+    out: dict[str, str] = {}
+    for name, value in fields:
+        key = (name.decode("latin-1") if isinstance(name, bytes) else name).lower()
+        text = value.decode("latin-1") if isinstance(value, bytes) else value
+        out[key] = f"{out[key]}, {text}" if key in out else text
+    return out

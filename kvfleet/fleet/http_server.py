@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import uvicorn
 
+from kvfleet.fleet.engine_settings import KEEP_ALIVE_S
 from kvfleet.fleet.http_limits import HttpLimits, limited_protocol
-
-# Longer than clients' idle keep-alive (httpx: 5 s, the gateway's pool: 30 s): a server that closes an idle
-# connection just as a client reuses it makes that request fail with no answer.
-KEEP_ALIVE_S = 75
 
 
 def server_config(app, host: str, port: int, drain_timeout: float, limits: HttpLimits | None = None,

@@ -62,12 +62,15 @@ class EngineLoad:
     totals: RequestTotals | None = None  # vLLM's; None for kvfleet engines, which export the rates themselves
 
 
+# The series RequestTotals is read from, in its fields' order (histograms' _count and _sum)
+TOTALS = (f"{VLLM_INFERENCE_SECONDS}_count", f"{VLLM_INFERENCE_SECONDS}_sum", f"{VLLM_PREFILL_SECONDS}_sum",
+          f"{VLLM_PREFILL_COMPUTED_TOKENS}_sum")
+
 # What the gateway asks for: /metrics?name[]=... (kvfleet engines filter on it, so they render a few lines instead of
 # every histogram; vLLM 0.32 ignores it and renders everything, so the scraper slows down for it: scraper.py).
 WANTED = (*(n for names in LOAD_SIGNALS.values() for n in names), MAX_NUM_SEQS, PREFILL_TOKENS_PENDING,
           PREFILL_TOKENS_PER_SECOND, REQUEST_SLOT_SECONDS, DECODE_TOKENS_PER_SECOND_FULL_BATCH, LORA_REQUESTS_INFO,
-          VLLM_LORA_REQUESTS_INFO, *(f"{n}_{part}" for n in (
-              VLLM_INFERENCE_SECONDS, VLLM_PREFILL_SECONDS, VLLM_PREFILL_COMPUTED_TOKENS) for part in ("sum", "count")))
+          VLLM_LORA_REQUESTS_INFO, *TOTALS)
 LORA_INFO = (LORA_REQUESTS_INFO, VLLM_LORA_REQUESTS_INFO)
 METRICS_QUERY = "&".join(f"name[]={n}" for n in WANTED)
 
@@ -166,8 +169,6 @@ def parse_engine_load(text: str) -> EngineLoad:
 
 def _totals(found: dict[str, float]) -> RequestTotals | None:
     """vLLM's request totals, when it exports all of them."""
-    names = (f"{VLLM_INFERENCE_SECONDS}_count", f"{VLLM_INFERENCE_SECONDS}_sum", f"{VLLM_PREFILL_SECONDS}_sum",
-             f"{VLLM_PREFILL_COMPUTED_TOKENS}_sum")
-    if not all(n in found for n in names):
+    if not all(n in found for n in TOTALS):
         return None
-    return RequestTotals(*(found[n] for n in names))
+    return RequestTotals(*(found[n] for n in TOTALS))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 
-from kvfleet.fleet.engine_settings import DRAIN_S
+from kvfleet.fleet.engine_settings import DRAIN_S, KEEP_ALIVE_S
 from kvfleet.fleet.sizes import parse_size
 
 VLLM_VERSION = "0.32.0"  # the vLLM kvfleet is tested with: the managed install's pin and the pods' default image
@@ -28,6 +28,8 @@ VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM checks it on /v1, as kvfleet's engine 
 VLLM_KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache on CPUs (on GPUs: --gpu-memory-utilization)
 VLLM_CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # the cores vLLM's CPU worker binds its threads to
 VLLM_HOST_IP_ENV = "VLLM_HOST_IP"  # the address a port-0 KV-event socket binds
+VLLM_KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"  # vLLM's idle keep-alive, seconds (its default 5: shorter than
+# the gateway's connection pools keep a connection); kvfleet starts vLLM with KEEP_ALIVE_S, as its own servers
 HEALTH_PATH = "/health"  # answers 200 once the model can serve; vLLM has no /ready
 
 
@@ -91,3 +93,8 @@ def cpu_dtype_args(extra: tuple[str, ...] | list[str], bf16_instructions: bool |
 def kv_cache_space_gib(size: str | int) -> str:
     """VLLM_CPU_KVCACHE_SPACE for a KV cache size (vLLM takes whole GiB): rounded up, at least 1."""
     return str(max(1, math.ceil(parse_size(size) / 2**30)))
+
+
+def serve_env() -> dict[str, str]:
+    """The environment every vLLM engine kvfleet starts gets, here or in a pod (beside each one's own)."""
+    return {VLLM_KEEP_ALIVE_ENV: str(KEEP_ALIVE_S)}

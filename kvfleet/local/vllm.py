@@ -36,6 +36,7 @@ from kvfleet.fleet.vllm_serve import (
     VLLM_VERSION,
     cpu_dtype_args,
     kv_cache_space_gib,
+    serve_env,
     with_kv_events_port,
 )
 
@@ -191,7 +192,7 @@ def engine_env(install: VllmInstall, base: dict[str, str], *, cores: list[int] |
                kv_cache_memory: str | None = None, api_key: str | None = None) -> dict[str, str]:
     """One local vLLM engine's environment (pure but for the install's files): its KV-event sockets bind loopback
     (with port 0 in its --kv-events-config), nothing is reported or downloaded."""
-    env = {**base, VLLM_HOST_IP_ENV: "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+    env = {**base, **serve_env(), VLLM_HOST_IP_ENV: "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "HF_HUB_OFFLINE": "1"}
     if api_key:
         env[VLLM_API_KEY_ENV] = api_key

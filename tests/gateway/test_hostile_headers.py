@@ -180,6 +180,18 @@ def test_a_header_the_engine_would_get_with_bytes_outside_ascii_gets_400_naming_
     assert answer["error"]["param"] == name.decode() and "visible ASCII" in answer["error"]["message"]
 
 
+@pytest.mark.parametrize("lines", [(b"00-ab-01", b"00-\xe9-01"), (b"00-\xe9-01", b"00-ab-01")],
+                         ids=["bad-second", "bad-first"])
+def test_a_header_sent_twice_is_checked_in_every_line(gateway, lines: tuple[bytes, bytes]) -> None:
+    """A field sent on two lines is read as one (RFC 9110 5.3), by the checks and for the engine alike: a byte
+    outside ASCII in either line is refused (before, the Python proxy checked the first line and sent the last)."""
+    url, port, _ = gateway
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1}).encode()
+    twice = b"".join(b"traceparent: " + line + b"\r\n" for line in lines)
+    status, answer, _ = exchange(port, request_with(KEY_HEADER + twice, body))
+    assert status == 400 and answer["error"]["param"] == "traceparent", answer
+
+
 def test_a_request_id_with_bytes_outside_ascii_is_replaced_not_echoed(gateway) -> None:
     url, port, _ = gateway
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:

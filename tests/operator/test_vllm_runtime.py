@@ -11,6 +11,7 @@ import json
 import kubernetes_validate
 import pytest
 
+from kvfleet.fleet.engine_settings import KEEP_ALIVE_S
 from kvfleet.fleet.load import parse_engine_load
 from kvfleet.operator.fleet_fields import RUNTIMES
 from kvfleet.operator.fleet_spec import InvalidSpec, parse_fleet
@@ -56,6 +57,8 @@ def test_a_vllm_fleet_runs_vllm_serve_with_the_engine_fields_as_flags() -> None:
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert engine["securityContext"]["readOnlyRootFilesystem"]  # caches go to /tmp (HOME, HF_HOME)
     assert {"name": "HF_HOME", "value": "/tmp/huggingface"} in engine["env"]
+    # vLLM keeps an idle connection as long as kvfleet's servers do, past the gateway's pools (its own default: 5 s)
+    assert {"name": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "value": str(KEEP_ALIVE_S)} in engine["env"]
 
 
 def test_the_vllm_deployment_is_valid_kubernetes() -> None:

@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from kvfleet.fleet.headers import combined
 from kvfleet.gateway.proxy import upstream_headers
 from tests.conftest import start_gateway, stop_process
 from tests.support.gateways import wait_until_routable
@@ -79,3 +80,12 @@ def test_only_the_headers_an_engine_needs_go_upstream() -> None:
                              "cookie": "session=1", "x-api-key": "k", "connection": "keep-alive",
                              "x-kvfleet-priority": "critical", "traceparent": "00-abc-def-01"}, "req-1")
     assert sent == {"content-type": "application/json", "traceparent": "00-abc-def-01", "x-request-id": "req-1"}
+
+
+def test_a_field_sent_on_several_lines_is_read_and_sent_as_one() -> None:
+    """One view for the checks and the engine (RFC 9110 5.3): lines joined in the order sent, names in lower case."""
+    fields = combined([(b"Accept", b"text/event-stream"), (b"content-type", b"application/json"),
+                       (b"accept", b"application/json"), ("TraceState", "a=1")])
+    assert fields == {"accept": "text/event-stream, application/json", "content-type": "application/json",
+                      "tracestate": "a=1"}
+    assert upstream_headers(fields, "req-2")["accept"] == "text/event-stream, application/json"

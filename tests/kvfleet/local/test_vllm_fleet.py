@@ -24,7 +24,7 @@ from kvfleet.gateway.routing.pick import SaturationPolicy
 from kvfleet.operator.fleet_spec import parse_fleet
 from tests.conftest import start_engine_server, start_gateway, stop_process
 from tests.support.commands import capacity_command
-from tests.support.engines import hold_stream, saturated, sees_saturated
+from tests.support.engines import hold_stream, saturated
 from tests.support.polling import until
 from tests.support.processes import alive, group_members
 from tests.support.vllm_engines import BLOCK_SIZE, MAX_NUM_SEQS, SERVED, START_TIMEOUT_S, metric
@@ -67,6 +67,25 @@ def test_vllm_engines_answer_only_with_the_fleets_token(vllm) -> None:
     body = {"model": SERVED, "prompt": "Hi", "max_tokens": 1}
     assert httpx.post(f"{vllm.engines[0]}/v1/completions", json=body, timeout=30).status_code == 401
     assert httpx.post(f"{vllm.engines[0]}/v1/completions", json=body, headers=vllm.token, timeout=30).status_code == 200
+
+
+def test_a_vllm_engine_keeps_an_idle_connection_past_its_own_default_keep_alive(vllm) -> None:
+    """vLLM closes a connection idle for 5 s by default, shorter than the gateway's pools keep one (Envoy's, the
+    Python proxy's): a request sent as vLLM closes it fails unanswered and is retried on another engine, a saturated
+    one if that is all there is. The engines kvfleet starts keep one as long as kvfleet's own servers."""
+    body = {"model": SERVED, "prompt": "Hi", "max_tokens": 1}
+    connects: list[str] = []  # httpx's trace events of the connections the client opens
+
+    def trace(event: str, info: dict) -> None:
+        if event == "connection.connect_tcp.started":
+            connects.append(event)
+    # a client that keeps its own idle connections a minute (httpx's default: 5 s)
+    with httpx.Client(headers=vllm.token, timeout=30, limits=httpx.Limits(keepalive_expiry=60)) as c:
+        first = c.post(f"{vllm.engines[0]}/v1/completions", json=body, extensions={"trace": trace})
+        time.sleep(7)  # idle past vLLM's default
+        second = c.post(f"{vllm.engines[0]}/v1/completions", json=body, extensions={"trace": trace})
+    assert first.status_code == second.status_code == 200
+    assert len(connects) == 1, "vLLM closed the idle connection: the second request needed a new one"
 
 
 def test_a_request_vllm_refuses_gets_vllms_400_and_the_engine_stays_in_the_fleet(vllm) -> None:
@@ -113,6 +132,27 @@ def assert_second_question_hits_as_predicted(vllm, gateway: str, engine: str, sy
     assert vllm.engine_metric(k, "vllm:prefix_cache_hits_total") - hits_before == full_blocks * BLOCK_SIZE
 
 
+def fleet_full(vllm, requests: int) -> bool:
+    """All `requests` are in vLLM's engines or the gateway's queue, and the gateway has no room for another."""
+    ready = httpx.get(f"{vllm.url}/ready", timeout=10).json()
+    in_vllm = sum(vllm.engine_metric(k, name) for k in range(len(vllm.engines))
+                  for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+    return ready["queued"] + in_vllm == requests and (ready["queued"] > 0 or ready["available"] == 0)
+
+
+def fleet_view(vllm) -> dict:
+    """What a failure should show: vLLM's own running and waiting counts, the gateway's /ready and its decisions."""
+    return {"vllm": [(e, vllm.engine_metric(k, "vllm:num_requests_running"),
+                      vllm.engine_metric(k, "vllm:num_requests_waiting")) for k, e in enumerate(vllm.engines)],
+            "ready": httpx.get(f"{vllm.url}/ready", timeout=10).json(),
+            "saturated": metric(vllm.url, "kvfleet_gateway_endpoints", state="saturated"),
+            **{name: metric(vllm.url, name) for name in (
+                "kvfleet_gateway_retries_total", "kvfleet_gateway_migrations_total",
+                "kvfleet_gateway_queue_wait_seconds_count")},
+            **{f"scrape age {e}": metric(vllm.url, "kvfleet_gateway_scrape_age_seconds", endpoint=e)
+               for e in vllm.engines}}
+
+
 def wait_for_blocks(url: str, engine: str, blocks: int, timeout_s: float = 10.0) -> None:
     wait_until(lambda: index_blocks(url, engine) >= blocks, timeout_s,
                f"the gateway's index never held {blocks} blocks of {engine}")
@@ -148,7 +188,11 @@ def test_a_fleet_of_full_vllm_engines_holds_requests_in_the_gateways_queue_not_i
         try:
             for t in holders:
                 t.start()
-            until(lambda: sees_saturated(vllm.url), "the gateway never counted both vLLM engines full", timeout=120)
+            # full as the gateway judges it: every holder in a vLLM engine or in its queue, and no room for more (no
+            # engine available, or requests queued: once it has learnt an engine's batch size it releases to its free
+            # slots and one waiting, so holders sent one by one fill vLLM's batches and queue the rest)
+            until(lambda: fleet_full(vllm, len(holders)), "the gateway never counted both vLLM engines full",
+                  timeout=120)
             # the client says how long it will wait: where vLLM is slow (an AVX2-only CPU emulates its bfloat16) the
             # holders may take longer to let go than the gateway's default 30 s
             answers = [pool.submit(httpx.post, f"{vllm.url}/v1/chat/completions", json=body, timeout=300,
@@ -221,13 +265,21 @@ def test_a_conversations_turns_follow_its_cache_and_move_only_while_that_engine_
     try:
         for t in holders:
             t.start()
-        until(lambda: httpx.get(f"{vllm.url}/ready", timeout=10).json()["available"] == 1,
-              "the gateway never counted the conversation's engine full", timeout=120)
+        at_home = vllm.engines.index(home)
+
+        def home_full() -> bool:
+            """vLLM runs its batch with the rest waiting, and the gateway counts one engine full (then it is home)."""
+            held = tuple(vllm.engine_metric(at_home, f"vllm:num_requests_{state}") for state in ("running", "waiting"))
+            return held == (MAX_NUM_SEQS, per_engine - MAX_NUM_SEQS) and \
+                httpx.get(f"{vllm.url}/ready", timeout=10).json()["available"] == 1
+        until(home_full, "the gateway never counted the conversation's engine full", timeout=120)
         started = time.monotonic()
+        before = fleet_view(vllm)
         # a long turn: the other engine then holds full blocks of the conversation its first engine never had (a
         # short one can end in the same block, and both engines would hold the same prefix)
         away = turn("Who runs it? " + " ".join(f"Consider detail {k} of the fleet." for k in range(40)))
-        assert away != home and time.monotonic() - started < 30, turns  # not held until the full engine has room
+        # not held until the full engine has room
+        assert away != home and time.monotonic() - started < 30, (turns, before, fleet_view(vllm))
     finally:
         stop.set()
         for t in holders:
