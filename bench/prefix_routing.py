@@ -85,6 +85,10 @@ ARMS: dict[str, Arm] = {
     "prefix-affinity-slow-scrape": Arm("kvfleet", "prefix-affinity", (*TOKENIZER, "--scrape-interval-ms", "500",
                                                                         "--max-metrics-age-ms", "1500")),
     "prefix-affinity-python": Arm("kvfleet", "prefix-affinity", (*TOKENIZER, "--data-plane", "python")),
+    # the default routing on the Python proxy, and on Envoy with streams never handed to the app (no migration):
+    # where the data path's CPU goes
+    "kvfleet-precise-python": Arm("kvfleet", "kvfleet", (*TOKENIZER, "--data-plane", "python")),
+    "kvfleet-precise-no-migration": Arm("kvfleet", "kvfleet", (*TOKENIZER, "--migration-limit", "0")),
     "sglang-router": Arm("sglang-router", "cache_aware"),
     "smg": Arm("smg", "cache_aware"),
     "vllm-router": Arm("vllm-router", "cache_aware"),
