@@ -49,9 +49,7 @@ def _static_cluster(name: str, port: int, http2: bool = False) -> dict:
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": _address("127.0.0.1", port)}}]}]},
     }
-    # HTTP/2 for the picker's gRPC; the app's HTTP/1.1 connections are let go before its server's keep-alive ends
-    # them (kvfleet.fleet.http_server), so Envoy never sends a handed-off request on a connection being closed
-    cluster["typed_extension_protocol_options"] = _http_options(http2)
+    cluster["typed_extension_protocol_options"] = _http_options(http2)  # HTTP/2 for the picker's gRPC
     return cluster
 
 
